@@ -1,0 +1,105 @@
+//! The sliding log: the time and cost of every admitted request still inside the window
+//! `(t-W, t]`. Exact, and its memory grows with the limit (at most `limit` entries, since each
+//! entry costs at least 1 and their sum never exceeds the limit).
+
+use std::collections::VecDeque;
+
+use crate::Decision;
+
+/// The state of one key: admitted requests, oldest first, with equal times merged.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SlidingLog {
+    entries: VecDeque<(u64, u64)>,
+    total: u64,
+}
+
+impl SlidingLog {
+    /// The logged `(time, cost)` entries, oldest first (expired ones may linger until the next
+    /// admission prunes them).
+    pub fn entries(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.entries.iter().copied()
+    }
+
+    /// The number of entries held, expired or not.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether the log holds no entry.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn newest(&self) -> u64 {
+        self.entries.back().map_or(0, |e| e.0)
+    }
+
+    /// Checks a request of `cost` at `now` against `limit` per `window` (ns) without changing
+    /// anything; call [`SlidingLog::record`] to admit it. Admit when the cost in `(now - W,
+    /// now]` plus `cost` is at most `limit`.
+    pub fn check(&self, limit: u64, window: u64, now: u64, cost: u64) -> Decision {
+        let now = now.max(self.newest());
+        let live = |t: u64| t.saturating_add(window) > now;
+        let expired: u64 = self
+            .entries
+            .iter()
+            .take_while(|e| !live(e.0))
+            .map(|e| e.1)
+            .sum();
+        let used = self.total - expired;
+        let newest_expiry = self.newest().saturating_add(window);
+        if used.saturating_add(cost) <= limit {
+            let used = used + cost;
+            let reset = if cost > 0 {
+                window
+            } else if used > 0 {
+                newest_expiry - now
+            } else {
+                0
+            };
+            return Decision::from_nanos(true, limit, limit - used, reset, 0);
+        }
+        // Rejected: wait until enough of the oldest live entries have expired.
+        let mut need = used + cost - limit;
+        let mut at = newest_expiry;
+        for &(t, c) in self.entries.iter().skip_while(|e| !live(e.0)) {
+            if c >= need {
+                at = t.saturating_add(window);
+                break;
+            }
+            need -= c;
+        }
+        let reset = if used > 0 { newest_expiry - now } else { 0 };
+        Decision::from_nanos(false, limit, limit - used, reset, at - now)
+    }
+
+    /// Logs an admitted request of `cost` at `now`, first forgetting the entries that have
+    /// left the window.
+    pub fn record(&mut self, window: u64, now: u64, cost: u64) {
+        let now = now.max(self.newest());
+        while let Some(&(t, c)) = self.entries.front() {
+            if t.saturating_add(window) > now {
+                break;
+            }
+            self.total -= c;
+            self.entries.pop_front();
+        }
+        if cost == 0 {
+            return;
+        }
+        self.total += cost;
+        match self.entries.back_mut() {
+            Some(last) if last.0 == now => last.1 += cost,
+            _ => self.entries.push_back((now, cost)),
+        }
+    }
+
+    /// When every entry will have left the window.
+    pub fn recovered_at(&self, window: u64) -> u64 {
+        if self.entries.is_empty() {
+            0
+        } else {
+            self.newest().saturating_add(window)
+        }
+    }
+}

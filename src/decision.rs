@@ -1,0 +1,196 @@
+//! The answer to a check: admitted or not, and everything a response needs to say so.
+
+use std::time::Duration;
+
+/// The outcome of checking a request against one policy, or the most restrictive outcome of a
+/// stacked check.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::Decision;
+///
+/// let d = Decision::rejected(10, 0, Duration::from_secs(2), Duration::from_millis(200));
+/// assert!(!d.allowed());
+/// assert_eq!(d.retry_after(), Some(Duration::from_millis(200)));
+/// assert_eq!(d.retry_after_secs(), Some(1)); // header values round up
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Decision {
+    allowed: bool,
+    limit: u64,
+    remaining: u64,
+    reset_after: u64,
+    retry_after: u64,
+    index: usize,
+}
+
+impl Decision {
+    /// An admission: `remaining` is what is left after it, `reset_after` the time until the
+    /// state has fully recovered.
+    pub const fn admitted(limit: u64, remaining: u64, reset_after: Duration) -> Self {
+        Self {
+            allowed: true,
+            limit,
+            remaining,
+            reset_after: saturating_nanos(reset_after),
+            retry_after: 0,
+            index: 0,
+        }
+    }
+
+    /// A rejection: `remaining` is what is left (unchanged by the rejection), `retry_after`
+    /// the exact wait until the same request would be admitted.
+    pub const fn rejected(
+        limit: u64,
+        remaining: u64,
+        reset_after: Duration,
+        retry_after: Duration,
+    ) -> Self {
+        Self {
+            allowed: false,
+            limit,
+            remaining,
+            reset_after: saturating_nanos(reset_after),
+            // A rejection always has a positive wait: 1 ns at the least.
+            retry_after: if saturating_nanos(retry_after) == 0 {
+                1
+            } else {
+                saturating_nanos(retry_after)
+            },
+            index: 0,
+        }
+    }
+
+    pub(crate) const fn from_nanos(
+        allowed: bool,
+        limit: u64,
+        remaining: u64,
+        reset_after: u64,
+        retry_after: u64,
+    ) -> Self {
+        Self {
+            allowed,
+            limit,
+            remaining,
+            reset_after,
+            retry_after: if allowed {
+                0
+            } else if retry_after == 0 {
+                1
+            } else {
+                retry_after
+            },
+            index: 0,
+        }
+    }
+
+    /// The same decision, marked as coming from the check at `index` of a stacked check.
+    pub const fn with_index(mut self, index: usize) -> Self {
+        self.index = index;
+        self
+    }
+
+    /// Whether the request was admitted.
+    pub const fn allowed(&self) -> bool {
+        self.allowed
+    }
+
+    /// The policy's limit (the burst, for a bucket).
+    pub const fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// What is left after this decision: the largest cost that would be admitted right now. A
+    /// rejection leaves it unchanged.
+    pub const fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    /// The time until the state has fully recovered (as if the key had never been seen).
+    pub const fn reset_after(&self) -> Duration {
+        Duration::from_nanos(self.reset_after)
+    }
+
+    /// `None` when admitted; otherwise the exact time until this request, with this cost, would
+    /// be admitted.
+    pub const fn retry_after(&self) -> Option<Duration> {
+        if self.allowed {
+            None
+        } else {
+            Some(Duration::from_nanos(self.retry_after))
+        }
+    }
+
+    /// [`Decision::retry_after`] in whole seconds, rounded up, as `Retry-After` wants it.
+    pub const fn retry_after_secs(&self) -> Option<u64> {
+        if self.allowed {
+            None
+        } else {
+            Some(self.retry_after.div_ceil(1_000_000_000))
+        }
+    }
+
+    /// [`Decision::reset_after`] in whole seconds, rounded up.
+    pub const fn reset_after_secs(&self) -> u64 {
+        self.reset_after.div_ceil(1_000_000_000)
+    }
+
+    /// Which check of a stacked check this decision came from (0 for a single check).
+    pub const fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Of two decisions on one request, the one a client must obey: a rejection over an
+    /// admission; between rejections the longer wait; between admissions the smaller
+    /// remainder, then the later reset.
+    pub fn most_restrictive(self, other: Decision) -> Decision {
+        let self_first = match (self.allowed, other.allowed) {
+            (false, true) => true,
+            (true, false) => false,
+            (false, false) => self.retry_after >= other.retry_after,
+            (true, true) => {
+                (self.remaining, std::cmp::Reverse(self.reset_after))
+                    <= (other.remaining, std::cmp::Reverse(other.reset_after))
+            }
+        };
+        if self_first { self } else { other }
+    }
+}
+
+const fn saturating_nanos(d: Duration) -> u64 {
+    let n = d.as_nanos();
+    if n > u64::MAX as u128 {
+        u64::MAX
+    } else {
+        n as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn most_restrictive_prefers_rejections_then_longer_waits() {
+        let ok = Decision::admitted(10, 3, Duration::from_secs(1));
+        let tight = Decision::admitted(100, 1, Duration::from_secs(9)).with_index(1);
+        let no =
+            Decision::rejected(5, 0, Duration::from_secs(5), Duration::from_secs(2)).with_index(2);
+        let longer =
+            Decision::rejected(5, 0, Duration::from_secs(5), Duration::from_secs(3)).with_index(3);
+        assert_eq!(ok.most_restrictive(tight).index(), 1);
+        assert_eq!(tight.most_restrictive(no).index(), 2);
+        assert_eq!(no.most_restrictive(longer).index(), 3);
+        assert_eq!(longer.most_restrictive(ok).index(), 3);
+    }
+
+    #[test]
+    fn header_seconds_round_up_and_rejections_always_wait() {
+        let d = Decision::rejected(1, 0, Duration::ZERO, Duration::ZERO);
+        assert_eq!(d.retry_after(), Some(Duration::from_nanos(1)));
+        assert_eq!(d.retry_after_secs(), Some(1));
+        let d = Decision::admitted(1, 0, Duration::from_millis(1001));
+        assert_eq!(d.reset_after_secs(), 2);
+        assert_eq!(d.retry_after_secs(), None);
+    }
+}

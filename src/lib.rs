@@ -1,0 +1,28 @@
+//! tollgate protects a service from too much traffic: rate limits and quotas with every
+//! classic algorithm, exact to the last request, on an in-process store.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{MemoryStore, Policy, Rate};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let policy = Policy::token_bucket(Rate::per_second(5), 10)?; // 5/s, bursts of 10
+//! let store = MemoryStore::new();
+//! let admitted = (0..12)
+//!     .filter(|_| store.check_now("user:42", &policy, 1).map(|d| d.allowed()).unwrap_or(false))
+//!     .count();
+//! assert_eq!(admitted, 10);
+//! # Ok(())
+//! # }
+//! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod algorithm;
+pub mod clock;
+mod decision;
+mod policy;
+pub mod store;
+
+pub use decision::Decision;
+pub use policy::{Algorithm, MAX_NAME_LEN, MAX_SLIDING_LOG_LIMIT, Policy, PolicyError, Rate};
+pub use store::{Check, MemoryStore, Store, StoreError};

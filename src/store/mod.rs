@@ -1,0 +1,191 @@
+//! Where limiter state lives: the [`Store`] trait and the in-process [`MemoryStore`].
+//!
+//! A store answers one question: given some (key, policy, cost) checks, are they all admitted
+//! right now? It decides all of them atomically: a request that one check rejects consumes
+//! from none of them. Layers are generic over the store, so the in-process store's ready
+//! future is never boxed.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{Check, MemoryStore, Policy, Rate};
+//! use tollgate::clock::ManualClock;
+//!
+//! # tokio_test_block_on(async {
+//! let per_user = Policy::token_bucket(Rate::per_second(1), 2)?;
+//! let per_tenant = Policy::fixed_window(3, Duration::from_secs(60))?;
+//! let store = MemoryStore::with_clock(ManualClock::new());
+//!
+//! let request = |user| [Check::new(user, &per_user, 1), Check::new("tenant:7", &per_tenant, 1)];
+//! assert!(store.check_all(&request("user:1")).await?.allowed());
+//! assert!(store.check_all(&request("user:1")).await?.allowed());
+//! assert!(!store.check_all(&request("user:1")).await?.allowed()); // user:1 is out of tokens
+//! assert!(store.check_all(&request("user:2")).await?.allowed()); // and the tenant paid nothing
+//! let d = store.check_all(&request("user:3")).await?;
+//! assert!(!d.allowed() && d.index() == 1); // now the tenant is the one saying no
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+//! #     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
+//! # }
+//! ```
+
+mod memory;
+
+pub use memory::{
+    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_KEYS, DEFAULT_SHARDS, MemoryStore, MemoryStoreBuilder,
+};
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{Decision, Policy};
+
+/// One check of a request: a key, the policy it is counted under, and what the request costs.
+#[derive(Clone, Copy, Debug)]
+pub struct Check<'a> {
+    key: &'a str,
+    policy: &'a Policy,
+    cost: u64,
+}
+
+impl<'a> Check<'a> {
+    /// Checks `cost` units against `policy` for `key`.
+    pub const fn new(key: &'a str, policy: &'a Policy, cost: u64) -> Self {
+        Self { key, policy, cost }
+    }
+
+    /// The key.
+    pub const fn key(&self) -> &'a str {
+        self.key
+    }
+
+    /// The policy.
+    pub const fn policy(&self) -> &'a Policy {
+        self.policy
+    }
+
+    /// The cost.
+    pub const fn cost(&self) -> u64 {
+        self.cost
+    }
+
+    /// The error for a cost that the policy can never admit, if this is one.
+    pub(crate) fn validate(&self, index: usize, max_key_len: usize) -> Result<(), StoreError> {
+        if self.cost > self.policy.limit() {
+            return Err(StoreError::CostExceedsLimit {
+                index,
+                cost: self.cost,
+                limit: self.policy.limit(),
+            });
+        }
+        if self.key.len() > max_key_len {
+            return Err(StoreError::KeyTooLong {
+                index,
+                len: self.key.len(),
+                max: max_key_len,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Limiter state, in process or shared.
+///
+/// `check_all` decides every check atomically and returns the most restrictive decision
+/// ([`Decision::most_restrictive`]), whose [`Decision::index`] says which check it came from.
+/// When any check rejects, nothing is consumed from any of them. An empty slice is admitted
+/// with `limit` and `remaining` of `u64::MAX`.
+///
+/// The future is named so that the in-process store returns a ready future and nothing is
+/// boxed; a network store boxes. It is `'static`: the store copies what it needs from the
+/// checks before returning it.
+pub trait Store: Send + Sync + 'static {
+    /// The future of a check.
+    type Future: Future<Output = Result<Decision, StoreError>> + Send + 'static;
+
+    /// Decides all `checks` at once: all admitted, or none consumed.
+    fn check_all(&self, checks: &[Check<'_>]) -> Self::Future;
+
+    /// Decides one check.
+    fn check(&self, key: &str, policy: &Policy, cost: u64) -> Self::Future {
+        self.check_all(&[Check::new(key, policy, cost)])
+    }
+}
+
+impl<S: Store> Store for Arc<S> {
+    type Future = S::Future;
+
+    fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
+        (**self).check_all(checks)
+    }
+
+    fn check(&self, key: &str, policy: &Policy, cost: u64) -> Self::Future {
+        (**self).check(key, policy, cost)
+    }
+}
+
+/// The decision for an empty stack of checks.
+pub(crate) const NOTHING_TO_CHECK: Decision =
+    Decision::admitted(u64::MAX, u64::MAX, Duration::ZERO);
+
+/// A boxed error from a store's backend.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why a store could not decide. Never a rejection: a rejection is an `Ok(Decision)`.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The check at `index` costs more than its policy can ever admit.
+    CostExceedsLimit {
+        /// Which check of the call.
+        index: usize,
+        /// Its cost.
+        cost: u64,
+        /// The policy's limit (or burst).
+        limit: u64,
+    },
+    /// The key of the check at `index` is longer than the store accepts.
+    KeyTooLong {
+        /// Which check of the call.
+        index: usize,
+        /// The key's length in bytes.
+        len: usize,
+        /// The most the store accepts.
+        max: usize,
+    },
+    /// The backend did not answer within the configured time.
+    Timeout(Duration),
+    /// The backend is considered down (a circuit breaker is open); it was not asked.
+    CircuitOpen,
+    /// The backend failed.
+    Backend(BoxError),
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::CostExceedsLimit { index, cost, limit } => write!(
+                f,
+                "check {index} costs {cost}, more than its policy's limit of {limit}: it could never be admitted"
+            ),
+            StoreError::KeyTooLong { index, len, max } => write!(
+                f,
+                "the key of check {index} is {len} bytes long, more than the {max} the store accepts"
+            ),
+            StoreError::Timeout(after) => write!(f, "the store did not answer within {after:?}"),
+            StoreError::CircuitOpen => f.write_str("the store is considered down (circuit open)"),
+            StoreError::Backend(e) => write!(f, "the store failed: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StoreError::Backend(e) => Some(&**e),
+            _ => None,
+        }
+    }
+}
