@@ -1,1 +1,3 @@
+//! In-process store benchmarks: filled in by the benchmark work.
+
 fn main() {}

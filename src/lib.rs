@@ -16,6 +16,12 @@
 //! # }
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// Library code never unwraps; tests may.
+#![cfg_attr(not(test), warn(clippy::unwrap_used, clippy::expect_used))]
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 pub mod algorithm;
 pub mod clock;

@@ -20,7 +20,7 @@
 //! ```
 
 use std::fmt;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -223,14 +223,17 @@ impl Policy {
     }
 
     fn build(algorithm: Algorithm, limit: u64, period: u64, name: Option<Arc<str>>) -> Self {
-        let mut hasher =
-            foldhash::fast::FixedState::with_seed(0x746f_6c6c_6761_7465).build_hasher();
-        (algorithm, limit, period, name.as_deref()).hash(&mut hasher);
+        let id = foldhash::fast::FixedState::with_seed(0x746f_6c6c_6761_7465).hash_one((
+            algorithm,
+            limit,
+            period,
+            name.as_deref(),
+        ));
         Self {
             algorithm,
             limit,
             period,
-            id: hasher.finish(),
+            id,
             name,
         }
     }

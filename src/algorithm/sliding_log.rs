@@ -74,8 +74,11 @@ impl SlidingLog {
     }
 
     /// Logs an admitted request of `cost` at `now`, first forgetting the entries that have
-    /// left the window.
+    /// left the window. A zero cost records nothing.
     pub fn record(&mut self, window: u64, now: u64, cost: u64) {
+        if cost == 0 {
+            return;
+        }
         let now = now.max(self.newest());
         while let Some(&(t, c)) = self.entries.front() {
             if t.saturating_add(window) > now {
@@ -83,9 +86,6 @@ impl SlidingLog {
             }
             self.total -= c;
             self.entries.pop_front();
-        }
-        if cost == 0 {
-            return;
         }
         self.total += cost;
         match self.entries.back_mut() {

@@ -172,7 +172,7 @@ impl<C: Clock> MemoryStore<C> {
         let mut shard = inner.shard(hash);
         if let Some(slot) = shard.table.find_mut(hash, |s| s.is(policy.id(), key)) {
             let (decision, update) = slot.decide(policy, now, cost);
-            if decision.allowed() {
+            if decision.allowed() && cost > 0 {
                 slot.apply(policy, update);
             }
             return Ok(decision);

@@ -1,0 +1,305 @@
+//! The in-process store: exact under concurrency, all-or-nothing stacks, bounded memory, and
+//! clear errors for bad input.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread;
+use std::time::Duration;
+
+use tollgate::clock::ManualClock;
+use tollgate::{Check, Decision, MemoryStore, Policy, Rate, Store, StoreError};
+
+fn every_algorithm(limit: u64) -> Vec<Policy> {
+    let w = Duration::from_secs(60);
+    let rate = Rate::per_hour(1);
+    vec![
+        Policy::fixed_window(limit, w).unwrap(),
+        Policy::sliding_log(limit, w).unwrap(),
+        Policy::sliding_window(limit, w).unwrap(),
+        Policy::token_bucket(rate, limit).unwrap(),
+        Policy::leaky_bucket(rate, limit).unwrap(),
+        Policy::gcra(rate, limit).unwrap(),
+    ]
+}
+
+#[test]
+fn threads_hammering_one_key_never_admit_more_than_the_limit() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::with_clock(clock.clone());
+    for policy in every_algorithm(500) {
+        let admitted = AtomicU64::new(0);
+        thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    for i in 0..400 {
+                        // Some weighted requests too; the clock creeps forward meanwhile.
+                        let cost = if i % 10 == 0 { 3 } else { 1 };
+                        if store.check_now("hot", &policy, cost).unwrap().allowed() {
+                            admitted.fetch_add(cost, Ordering::Relaxed);
+                        }
+                        clock.advance(Duration::from_nanos(1));
+                    }
+                });
+            }
+        });
+        let admitted = admitted.into_inner();
+        // 8 * 400 requests for 500 units, within 3.2 us of a 60 s / 1 per hour policy: the
+        // limit is reached and never passed (a unit of refill takes far longer).
+        assert!((498..=500).contains(&admitted), "{policy:?}: {admitted}");
+        assert_eq!(
+            store.check_now("hot", &policy, 1).unwrap().remaining(),
+            500 - admitted
+        );
+    }
+}
+
+#[test]
+fn stacked_checks_from_many_threads_are_all_or_nothing() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::with_clock(clock);
+    let per_user = Policy::fixed_window(30, Duration::from_secs(60)).unwrap();
+    let per_tenant = Policy::gcra(Rate::per_hour(1), 100).unwrap();
+    let global = Policy::sliding_log(1000, Duration::from_secs(60)).unwrap();
+    let users = ["u1", "u2", "u3", "u4", "u5", "u6"];
+    let admitted: Vec<AtomicU64> = users.iter().map(|_| AtomicU64::new(0)).collect();
+    thread::scope(|s| {
+        for t in 0..6 {
+            let (store, admitted) = (&store, &admitted);
+            let (per_user, per_tenant, global) = (&per_user, &per_tenant, &global);
+            s.spawn(move || {
+                for i in 0..200 {
+                    // Opposite orders on purpose: locking must not deadlock.
+                    let u = (t + i) % users.len();
+                    let mut checks = vec![
+                        Check::new(users[u], per_user, 1),
+                        Check::new("tenant", per_tenant, 1),
+                        Check::new("global", global, 1),
+                    ];
+                    if t % 2 == 1 {
+                        checks.reverse();
+                    }
+                    if store.check_all_now(&checks).unwrap().allowed() {
+                        admitted[u].fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    let per_user_counts: Vec<u64> = admitted.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+    let total: u64 = per_user_counts.iter().sum();
+    assert_eq!(total, 100, "the tenant's limit binds: {per_user_counts:?}");
+    assert!(per_user_counts.iter().all(|&n| n <= 30));
+    // Every admission consumed from all three, and no rejection consumed anything.
+    assert_eq!(
+        store
+            .check_now("tenant", &per_tenant, 0)
+            .unwrap()
+            .remaining(),
+        0
+    );
+    assert_eq!(
+        store.check_now("global", &global, 0).unwrap().remaining(),
+        900
+    );
+    for (u, n) in users.iter().zip(&per_user_counts) {
+        assert_eq!(
+            store.check_now(u, &per_user, 0).unwrap().remaining(),
+            30 - n
+        );
+    }
+}
+
+#[test]
+fn a_rejected_stack_consumes_from_none_and_reports_the_longest_wait() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::with_clock(clock.clone());
+    let per_second = Policy::fixed_window(5, Duration::from_secs(1)).unwrap();
+    let per_minute = Policy::fixed_window(8, Duration::from_secs(60)).unwrap();
+    let per_day = Policy::fixed_window(1000, Duration::from_secs(86_400)).unwrap();
+    let stack = [
+        Check::new("user:42", &per_second, 1),
+        Check::new("user:42", &per_minute, 1),
+        Check::new("user:42", &per_day, 1),
+    ];
+    let mut last = Decision::admitted(0, 0, Duration::ZERO);
+    for _ in 0..7 {
+        last = store.check_all_now(&stack).unwrap();
+    }
+    // 5 admitted in the first second; the per-second limit rejects the other 2.
+    assert!(!last.allowed());
+    assert_eq!(last.index(), 0);
+    assert_eq!(last.retry_after(), Some(Duration::from_secs(1)));
+    assert_eq!(
+        store
+            .check_now("user:42", &per_minute, 0)
+            .unwrap()
+            .remaining(),
+        3
+    );
+    assert_eq!(
+        store.check_now("user:42", &per_day, 0).unwrap().remaining(),
+        995
+    );
+    clock.advance(Duration::from_secs(1));
+    let admitted = (0..5)
+        .filter(|_| store.check_all_now(&stack).unwrap().allowed())
+        .count();
+    assert_eq!(admitted, 3, "now the minute binds");
+    let d = store.check_all_now(&stack).unwrap();
+    assert_eq!((d.allowed(), d.index()), (false, 1));
+    assert_eq!(d.retry_after(), Some(Duration::from_secs(59)));
+    assert_eq!(
+        store.check_now("user:42", &per_day, 0).unwrap().remaining(),
+        992
+    );
+}
+
+#[test]
+fn an_admitted_stack_reports_the_policy_closest_to_exhaustion() {
+    let store = MemoryStore::with_clock(ManualClock::new());
+    let wide = Policy::fixed_window(100, Duration::from_secs(60)).unwrap();
+    let narrow = Policy::token_bucket(Rate::per_second(1), 3).unwrap();
+    let d = store
+        .check_all_now(&[Check::new("a", &wide, 1), Check::new("b", &narrow, 1)])
+        .unwrap();
+    assert!(d.allowed());
+    assert_eq!((d.index(), d.limit(), d.remaining()), (1, 3, 2));
+}
+
+#[test]
+fn the_same_key_and_policy_twice_in_a_stack_counts_twice() {
+    let store = MemoryStore::with_clock(ManualClock::new());
+    let p = Policy::fixed_window(3, Duration::from_secs(60)).unwrap();
+    let twice = [Check::new("k", &p, 1), Check::new("k", &p, 1)];
+    assert!(store.check_all_now(&twice).unwrap().allowed());
+    let d = store.check_all_now(&twice).unwrap();
+    assert!(!d.allowed(), "2 + 2 > 3");
+    assert_eq!(d.remaining(), 1);
+    // Summed costs beyond the limit can never pass: an error, not a silent rejection.
+    let err = store
+        .check_all_now(&[Check::new("k", &p, 2), Check::new("k", &p, 2)])
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        StoreError::CostExceedsLimit {
+            index: 1,
+            cost: 4,
+            limit: 3
+        }
+    ));
+}
+
+#[test]
+fn one_key_keeps_separate_state_per_policy() {
+    let store = MemoryStore::with_clock(ManualClock::new());
+    let a = Policy::fixed_window(1, Duration::from_secs(1)).unwrap();
+    let b = Policy::fixed_window(1, Duration::from_secs(1))
+        .unwrap()
+        .named("other")
+        .unwrap();
+    assert!(store.check_now("k", &a, 1).unwrap().allowed());
+    assert!(store.check_now("k", &b, 1).unwrap().allowed());
+    assert!(!store.check_now("k", &a, 1).unwrap().allowed());
+    // An identical policy built again is the same limit.
+    let a2 = Policy::fixed_window(1, Duration::from_secs(1)).unwrap();
+    assert!(!store.check_now("k", &a2, 1).unwrap().allowed());
+}
+
+#[test]
+fn clones_share_one_state() {
+    let store = MemoryStore::with_clock(ManualClock::new());
+    let clone = store.clone();
+    let p = Policy::gcra(Rate::per_minute(1), 2).unwrap();
+    assert!(store.check_now("k", &p, 2).unwrap().allowed());
+    assert!(!clone.check_now("k", &p, 1).unwrap().allowed());
+}
+
+#[test]
+fn memory_is_bounded_and_recovered_state_is_forgotten_for_free() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder()
+        .clock(clock.clone())
+        .max_keys(1024)
+        .shards(4)
+        .build();
+    let p = Policy::token_bucket(Rate::per_second(1000), 10).unwrap();
+    // A flood of fresh keys, one every 10 us, each recovering 1 ms after its request: about
+    // 100 are live at any moment.
+    for i in 0..50_000u64 {
+        assert!(
+            store
+                .check_now(&format!("ip:{i}"), &p, 1)
+                .unwrap()
+                .allowed()
+        );
+        clock.advance(Duration::from_micros(10));
+    }
+    assert!(store.len() <= 1024, "{}", store.len());
+    // Only keys that had recovered were dropped: no live state was lost.
+    assert_eq!(store.evicted(), 0);
+    // A live key is still limited after the flood, as long as it is not the oldest.
+    store.check_now("victim", &p, 10).unwrap();
+    assert!(!store.check_now("victim", &p, 1).unwrap().allowed());
+    clock.advance(Duration::from_secs(2));
+    assert!(store.sweep() > 0);
+    assert_eq!(store.len(), 0, "every key has recovered");
+}
+
+#[test]
+fn a_flood_of_live_keys_cannot_grow_memory() {
+    let clock = ManualClock::new();
+    let store = MemoryStore::builder()
+        .clock(clock)
+        .max_keys(256)
+        .shards(1)
+        .build();
+    let p = Policy::sliding_log(5, Duration::from_secs(3600)).unwrap();
+    for i in 0..10_000u64 {
+        store.check_now(&format!("k{i}"), &p, 1).unwrap();
+    }
+    assert!(store.len() <= 256);
+    assert!(store.evicted() >= 10_000 - 256);
+}
+
+#[test]
+fn huge_and_odd_keys_are_handled() {
+    let store = MemoryStore::builder()
+        .clock(ManualClock::new())
+        .max_key_len(64)
+        .build();
+    let p = Policy::fixed_window(1, Duration::from_secs(1)).unwrap();
+    let err = store.check_now(&"x".repeat(20_000), &p, 1).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::KeyTooLong {
+                len: 20_000,
+                max: 64,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    for key in ["", "{slot}", "a\nb", "ключ", "\0"] {
+        assert!(store.check_now(key, &p, 1).unwrap().allowed(), "{key:?}");
+        assert!(!store.check_now(key, &p, 1).unwrap().allowed(), "{key:?}");
+    }
+}
+
+#[tokio::test]
+async fn the_store_trait_serves_generic_code() {
+    async fn admit_all<S: Store>(store: &S, policy: &Policy, n: usize) -> usize {
+        let mut admitted = 0;
+        for _ in 0..n {
+            if store.check("k", policy, 1).await.unwrap().allowed() {
+                admitted += 1;
+            }
+        }
+        admitted
+    }
+    let store = Arc::new(MemoryStore::with_clock(ManualClock::new()));
+    let p = Policy::sliding_window(7, Duration::from_secs(1)).unwrap();
+    assert_eq!(admit_all(&store, &p, 10).await, 7);
+    let empty = store.check_all(&[]).await.unwrap();
+    assert!(empty.allowed());
+}
