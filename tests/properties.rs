@@ -267,3 +267,31 @@ proptest! {
         prop_assert!(max_in_span(&admitted, period) <= bound, "{algorithm}: {admitted:?}");
     }
 }
+
+/// Any u64, with the edges and small values well represented.
+fn edgy(min: u64) -> impl Strategy<Value = u64> {
+    prop_oneof![
+        min..=u64::MAX,
+        min..min + 1000,
+        Just(u64::MAX),
+        Just(u64::MAX - 1),
+        Just(min)
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn no_input_makes_an_algorithm_panic(
+        alg in 0usize..6, limit in edgy(1), period in edgy(1),
+        steps in prop::collection::vec((edgy(0), edgy(0)), 1..20)
+    ) {
+        let algorithm = ALL[alg];
+        let mut m = Machine::new(algorithm, limit, period);
+        for (now, cost) in steps {
+            let d = m.check(limit, period, now, cost);
+            prop_assert!(d.allowed() || d.retry_after().is_some());
+        }
+    }
+}

@@ -12,7 +12,10 @@
 //! - `retry_after` is the exact time until the same request would be admitted;
 //! - `reset_after` is the time until the state is indistinguishable from a fresh one;
 //! - a time earlier than one the state has already seen is treated as that time (time never
-//!   runs backwards inside a state).
+//!   runs backwards inside a state);
+//! - a cost above the limit is always rejected, and its `retry_after` means nothing: the stores
+//!   refuse such a check with [`StoreError::CostExceedsLimit`](crate::StoreError) before
+//!   asking an algorithm.
 //!
 //! ```
 //! use tollgate::algorithm::Gcra;

@@ -48,8 +48,7 @@ impl SlidingLog {
             .sum();
         let used = self.total - expired;
         let newest_expiry = self.newest().saturating_add(window);
-        if used.saturating_add(cost) <= limit {
-            let used = used + cost;
+        if let Some(used) = used.checked_add(cost).filter(|&u| u <= limit) {
             let reset = if cost > 0 {
                 window
             } else if used > 0 {
@@ -60,7 +59,7 @@ impl SlidingLog {
             return Decision::from_nanos(true, limit, limit - used, reset, 0);
         }
         // Rejected: wait until enough of the oldest live entries have expired.
-        let mut need = used + cost - limit;
+        let mut need = used.saturating_add(cost) - limit;
         let mut at = newest_expiry;
         for &(t, c) in self.entries.iter().skip_while(|e| !live(e.0)) {
             if c >= need {
@@ -70,7 +69,13 @@ impl SlidingLog {
             need -= c;
         }
         let reset = if used > 0 { newest_expiry - now } else { 0 };
-        Decision::from_nanos(false, limit, limit - used, reset, at - now)
+        Decision::from_nanos(
+            false,
+            limit,
+            limit.saturating_sub(used),
+            reset,
+            at.saturating_sub(now),
+        )
     }
 
     /// Logs an admitted request of `cost` at `now`, first forgetting the entries that have
