@@ -31,4 +31,7 @@ pub mod store;
 
 pub use decision::Decision;
 pub use policy::{Algorithm, MAX_NAME_LEN, MAX_SLIDING_LOG_LIMIT, Policy, PolicyError, Rate};
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use store::redis::RedisStore;
 pub use store::{Check, MemoryStore, Store, StoreError};

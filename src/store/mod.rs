@@ -30,6 +30,9 @@
 //! ```
 
 mod memory;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod redis;
 
 pub use memory::{
     DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_KEYS, DEFAULT_SHARDS, MemoryStore, MemoryStoreBuilder,

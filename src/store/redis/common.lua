@@ -1,0 +1,219 @@
+-- common.lua: helpers shared by every tollgate script (concatenated before the algorithms).
+--
+-- Precision. Lua numbers in Redis are IEEE doubles: integers are exact only below 2^53, while
+-- the Rust state machines count u64 nanoseconds (now ~1.8e18 since the Unix epoch). So no
+-- script ever holds an absolute time in nanoseconds. Time is read as (sec, nsec); every key
+-- stores a base second `b` and all its times as nanosecond offsets from `b`. On load, the
+-- offsets are moved onto the current second (`t - (sec - b) * 1e9`), `now` is just `nsec`, and
+-- the state is written back with `b = sec` ("rebase on write"). A state older than its
+-- policy's horizon plus two seconds has fully recovered and is read as fresh, so
+-- `(sec - b) * 1e9` stays below the horizon and every value below 2^53 (the Rust side refuses
+-- policies whose horizon exceeds MAX_HORIZON_NS). The sliding window's products of counts by
+-- the window (up to 2^105) go through `muldiv`, exact with 24-bit limbs.
+
+local NS = 1000000000
+
+-- The algorithms register here: ALGORITHMS[code](key, limit, period, cost, horizon, sec, nsec)
+-- returns the decision {allowed, remaining, reset_after, retry_after} (ns) and, when admitted
+-- with a cost, a commit function(slack_ms, token) -> ref_b, ref_t (what a refund needs).
+-- REFUNDS[code](key, limit, period, cost, horizon, token, ref_b, ref_t, sec, nsec) undoes it.
+local ALGORITHMS, REFUNDS = {}, {}
+local floor, max, min = math.floor, math.max, math.min
+local tonumber = tonumber
+
+-- An integer as a string, exactly: redis.call and tostring would print numbers with 14
+-- significant digits only.
+local function int(x)
+  return string.format('%.0f', x)
+end
+
+if redis.replicate_commands then
+  redis.replicate_commands()
+end
+
+-- The current time as (sec, nsec): from Redis TIME, or injected by the caller (tests).
+local function clock_now()
+  if ARGV[1] ~= '' then
+    return tonumber(ARGV[1]), tonumber(ARGV[2])
+  end
+  local t = redis.call('TIME')
+  return tonumber(t[1]), tonumber(t[2]) * 1000
+end
+
+-- (a * b) mod m, exact for a, b < 2^53 and m <= 2^52 (doubling: every sum stays below 2^53).
+local function mulmod(a, b, m)
+  local r = 0
+  a = a % m
+  while b > 0 do
+    if b % 2 == 1 then
+      r = (r + a) % m
+    end
+    a = (a + a) % m
+    b = floor(b / 2)
+  end
+  return r
+end
+
+-- Where `now` sits in its aligned window of `w` ns: (sec * 1e9 + nsec) mod w, exact.
+local function phase(sec, nsec, w)
+  return (mulmod(sec % w, NS, w) + nsec) % w
+end
+
+local LIMB = 16777216 -- 2^24
+
+local function limbs(x)
+  local x0 = x % LIMB
+  local t = (x - x0) / LIMB
+  local x1 = t % LIMB
+  return x0, x1, (t - x1) / LIMB
+end
+
+-- The sign of a*b + s - q*c, exactly, for integers 0 <= a, b, q, c < 2^53 and |s| < 2^48.
+local function cmp_products(a, b, s, q, c)
+  local a0, a1, a2 = limbs(a)
+  local b0, b1, b2 = limbs(b)
+  local q0, q1, q2 = limbs(q)
+  local c0, c1, c2 = limbs(c)
+  local l0 = a0 * b0 - q0 * c0 + s
+  local l1 = a0 * b1 + a1 * b0 - q0 * c1 - q1 * c0
+  local l2 = a0 * b2 + a1 * b1 + a2 * b0 - q0 * c2 - q1 * c1 - q2 * c0
+  local l3 = a1 * b2 + a2 * b1 - q1 * c2 - q2 * c1
+  local l4 = a2 * b2 - q2 * c2
+  local carry, nonzero = 0, false
+  for _, l in ipairs({ l0, l1, l2, l3, l4 }) do
+    local v = l + carry
+    carry = floor(v / LIMB)
+    if v ~= carry * LIMB then
+      nonzero = true
+    end
+  end
+  if carry < 0 then
+    return -1
+  elseif carry > 0 or nonzero then
+    return 1
+  end
+  return 0
+end
+
+-- floor((a * b + s) / c) for a non-negative numerator and a quotient below 2^53: a double
+-- estimate, corrected exactly.
+local function muldiv(a, b, s, c)
+  local q = floor((a * b + s) / c)
+  if q < 0 then
+    q = 0
+  end
+  while q > 0 and cmp_products(a, b, s, q, c) < 0 do
+    q = q - 1
+  end
+  while cmp_products(a, b, s, q + 1, c) >= 0 do
+    q = q + 1
+  end
+  return q
+end
+
+-- Milliseconds for PEXPIRE: `ns` rounded up, plus the configured slack, at least 1.
+local function ttl_ms(ns, slack)
+  return max(1, math.ceil(ns / 1000000) + slack)
+end
+
+-- Loads a hash state: the base second and the fields, or nil when absent or fully recovered
+-- (older than the horizon plus two seconds). Times are returned moved onto `sec`.
+local function load_hash(key, sec, horizon, fields)
+  local v = redis.call('HMGET', key, 'b', 'p', unpack(fields))
+  local b = tonumber(v[1])
+  if b == nil then
+    return nil
+  end
+  if (sec - b) * NS > horizon + 2 * NS then
+    return nil
+  end
+  local out = { shift = (sec - b) * NS }
+  for i, f in ipairs(fields) do
+    out[f] = tonumber(v[i + 2])
+  end
+  if v[2] then
+    out.p = v[2]
+  end
+  return out
+end
+
+-- Pending refunds of the bucket algorithms (cross-slot checks), kept in field `p` as
+-- "token,delta,created;..." where delta is how much later than without that consumption the
+-- bucket's theoretical arrival time T now is. An admitted write at `now` moves T to
+-- max(T, now) + cost, which can absorb part of a delta: delta' = max(T, now) - max(T - delta,
+-- now). Entries older than 60 s are dropped (their refund never came); at most 32 are kept.
+local function pending_absorb(p, T, now, sec)
+  if p == nil or p == false or p == '' then
+    return nil
+  end
+  local out = {}
+  for tok, d, at in string.gmatch(p, '([^,;]+),([^,;]+),([^,;]+)') do
+    d = tonumber(d)
+    local left = max(T, now) - max(T - d, now)
+    if left > 0 and sec - tonumber(at) <= 60 and #out < 32 then
+      out[#out + 1] = tok .. ',' .. int(left) .. ',' .. at
+    end
+  end
+  if #out == 0 then
+    return nil
+  end
+  return table.concat(out, ';')
+end
+
+local function pending_add(p, token, delta, sec)
+  local entry = token .. ',' .. int(delta) .. ',' .. int(sec)
+  if p == nil or p == false or p == '' then
+    return entry
+  end
+  local n = select(2, string.gsub(p, ';', ';')) + 1
+  if n >= 32 then
+    return p
+  end
+  return p .. ';' .. entry
+end
+
+-- Takes `token` out of the pending list: its delta (0 if unknown) and the list left, where
+-- every other delta is reduced by it (never over-refunding when refunds overlap).
+local function pending_take(p, token)
+  if p == nil or p == false or p == '' then
+    return 0, nil
+  end
+  local delta = 0
+  for tok, d in string.gmatch(p, '([^,;]+),([^,;]+),[^,;]+') do
+    if tok == token then
+      delta = tonumber(d)
+    end
+  end
+  local out = {}
+  for tok, d, at in string.gmatch(p, '([^,;]+),([^,;]+),([^,;]+)') do
+    local left = tonumber(d) - delta
+    if tok ~= token and left > 0 then
+      out[#out + 1] = tok .. ',' .. int(left) .. ',' .. at
+    end
+  end
+  if #out == 0 then
+    return delta, nil
+  end
+  return delta, table.concat(out, ';')
+end
+
+-- RPUSH of many values, in batches that fit Lua's stack.
+local function rpush_all(key, values)
+  for i = 1, #values, 1000 do
+    redis.call('RPUSH', key, unpack(values, i, min(i + 999, #values)))
+  end
+end
+
+-- Writes a hash state (values already strings) with its base second, its pending list and
+-- its expiry, in one step. `had_p`: whether the stored state had a pending list to clear.
+local function store_hash(key, sec, p, had_p, ttl, ...)
+  if p then
+    redis.call('HSET', key, 'b', int(sec), 'p', p, ...)
+  else
+    redis.call('HSET', key, 'b', int(sec), ...)
+    if had_p then
+      redis.call('HDEL', key, 'p')
+    end
+  end
+  redis.call('PEXPIRE', key, ttl)
+end

@@ -1,0 +1,179 @@
+//! Redis key names: a prefix, a hash tag we choose, the policy's namespace, the escaped key.
+
+use std::fmt::Write as _;
+
+use sha2::{Digest, Sha256};
+
+use crate::{Algorithm, Policy};
+
+/// Escaped keys longer than this are replaced by a digest of the raw key.
+pub(crate) const MAX_ESCAPED_LEN: usize = 128;
+
+/// Which Redis Cluster hash slot a key's state goes to, decided from the key text. Checks whose
+/// keys share a slot are decided by one atomic script; keys in different slots take the
+/// consume-then-refund path (see the module docs).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeySlots {
+    /// Each key its own slot (spread evenly); all the policies of one key share it, so
+    /// stacking per-second, per-minute and per-day limits on one key is one atomic step.
+    #[default]
+    PerKey,
+    /// The key up to the first occurrence of the delimiter (or the whole key) picks the slot:
+    /// with `'|'`, `acme|user:42` and `acme|tenant` share one slot.
+    UntilDelimiter(char),
+    /// Every key in one slot: every stacked check is atomic, and one Cluster node carries all
+    /// the load.
+    Single,
+}
+
+/// The short name of each algorithm in key names.
+pub(crate) fn algorithm_code(a: Algorithm) -> &'static str {
+    match a {
+        Algorithm::FixedWindow => "fw",
+        Algorithm::SlidingLog => "sl",
+        Algorithm::SlidingWindow => "sw",
+        Algorithm::TokenBucket => "tb",
+        Algorithm::LeakyBucket => "lb",
+        Algorithm::Gcra => "gcra",
+    }
+}
+
+/// FNV-1a, 64 bits: stable across versions and platforms (key names must not change when the
+/// crate or the machine does).
+pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in *part {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        // A separator byte that cannot be confused with data of another split.
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// A stable fingerprint of a policy: algorithm, limit, period and name.
+pub(crate) fn policy_fingerprint(policy: &Policy) -> u64 {
+    fnv1a(&[
+        policy.algorithm().as_str().as_bytes(),
+        &policy.limit().to_le_bytes(),
+        &policy.period_nanos().to_le_bytes(),
+        policy.name().unwrap_or("").as_bytes(),
+    ])
+}
+
+/// Builds Redis key names.
+#[derive(Clone, Debug)]
+pub(crate) struct KeyNames {
+    pub(crate) prefix: String,
+    pub(crate) slots: KeySlots,
+}
+
+impl KeyNames {
+    /// `{prefix}{tag}:{algorithm}:{fingerprint}:{key}` where `tag` is a digest of the part of
+    /// the key that picks the slot, and `key` is the user's key escaped (bytes outside
+    /// printable ASCII, and `{ } % #`, as `%XX`) or, when that is longer than
+    /// [`MAX_ESCAPED_LEN`], `#` and the SHA-256 of the raw key.
+    pub(crate) fn name(&self, key: &str, policy: &Policy) -> String {
+        let tag_text = match &self.slots {
+            KeySlots::PerKey => key,
+            KeySlots::UntilDelimiter(c) => key.split(*c).next().unwrap_or(key),
+            KeySlots::Single => "",
+        };
+        let tag = fnv1a(&[tag_text.as_bytes()]);
+        let mut out = String::with_capacity(self.prefix.len() + 48 + key.len().min(160));
+        let _ = write!(
+            out,
+            "{}{{{:016x}}}:{}:{:016x}:",
+            self.prefix,
+            tag,
+            algorithm_code(policy.algorithm()),
+            policy_fingerprint(policy)
+        );
+        escape_into(&mut out, key);
+        out
+    }
+}
+
+fn escape_into(out: &mut String, key: &str) {
+    let escaped_len: usize = key.bytes().map(|b| if keeps(b) { 1 } else { 3 }).sum();
+    if escaped_len > MAX_ESCAPED_LEN {
+        out.push('#');
+        for b in Sha256::digest(key.as_bytes()) {
+            let _ = write!(out, "{b:02x}");
+        }
+        return;
+    }
+    for b in key.bytes() {
+        if keeps(b) {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+}
+
+fn keeps(b: u8) -> bool {
+    (0x21..=0x7e).contains(&b) && !matches!(b, b'{' | b'}' | b'%' | b'#')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn names() -> KeyNames {
+        KeyNames {
+            prefix: "t:".into(),
+            slots: KeySlots::PerKey,
+        }
+    }
+
+    #[test]
+    fn user_text_never_reaches_redis_raw() {
+        let p = Policy::fixed_window(10, Duration::from_secs(1)).unwrap();
+        let k = names().name("{evil}\n key%#", &p);
+        let user = k.rsplit(':').next().unwrap();
+        assert_eq!(user, "%7Bevil%7D%0A%20key%25%23");
+        // Exactly one brace pair: ours.
+        assert_eq!(k.matches('{').count(), 1);
+        assert_eq!(k.matches('}').count(), 1);
+        assert!(k.starts_with("t:{"));
+    }
+
+    #[test]
+    fn long_keys_are_hashed_and_bounded() {
+        let p = Policy::gcra(crate::Rate::per_second(1), 1).unwrap();
+        let a = names().name(&"x".repeat(20_000), &p);
+        let b = names().name(&"x".repeat(20_001), &p);
+        assert!(a.len() < 120 && b.len() < 120, "{a}");
+        assert_ne!(a, b);
+        // A short key cannot imitate a hashed one: `#` is escaped.
+        let hashed = a.rsplit(':').next().unwrap();
+        assert!(!names().name(hashed, &p).ends_with(hashed));
+    }
+
+    #[test]
+    fn namespaces_differ_by_policy_and_slots_follow_the_strategy() {
+        let p1 = Policy::fixed_window(10, Duration::from_secs(1)).unwrap();
+        let p2 = Policy::fixed_window(11, Duration::from_secs(1)).unwrap();
+        let p3 = Policy::sliding_window(10, Duration::from_secs(1)).unwrap();
+        let n = names();
+        let (a, b, c) = (n.name("k", &p1), n.name("k", &p2), n.name("k", &p3));
+        assert!(a != b && b != c && a != c);
+        let tag = |s: &str| s[s.find('{').unwrap()..=s.find('}').unwrap()].to_owned();
+        assert_eq!(tag(&a), tag(&c));
+        let n = KeyNames {
+            prefix: "t:".into(),
+            slots: KeySlots::UntilDelimiter('|'),
+        };
+        assert_eq!(
+            tag(&n.name("acme|u1", &p1)),
+            tag(&n.name("acme|tenant", &p2))
+        );
+        assert_ne!(tag(&n.name("acme|u1", &p1)), tag(&n.name("bcme|u1", &p1)));
+    }
+}

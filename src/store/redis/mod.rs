@@ -1,0 +1,982 @@
+//! The Redis store (feature `redis`): one limit shared by every instance of a service, on a
+//! single Redis, Sentinel or Cluster, with the same decisions as the in-process store.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tollgate::{Policy, Rate, StoreError};
+//! use tollgate::store::redis::RedisStore;
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! // Every policy of the in-process store works here, up to the bounds of the Lua arithmetic.
+//! assert!(RedisStore::supports(&Policy::gcra(Rate::per_second(100), 50)?).is_ok());
+//! assert!(RedisStore::supports(&Policy::fixed_window(10, Duration::from_secs(365 * 86_400))?).is_err());
+//!
+//! // Nothing listens on port 1: connecting fails promptly, with a store error.
+//! let err = RedisStore::builder().url("redis://127.0.0.1:1").connect().await.unwrap_err();
+//! assert!(matches!(err, StoreError::Backend(_) | StoreError::Timeout(_)));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
+//!
+//! With a server (this is `examples/redis_two_instances.rs` in short):
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use tollgate::{Check, Policy, Rate};
+//! use tollgate::store::redis::RedisStore;
+//!
+//! let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+//! let per_user = Policy::token_bucket(Rate::per_second(5), 10)?;
+//! let d = store.check("user:42", &per_user, 1).await?;
+//! assert!(d.allowed());
+//! # Ok(()) }
+//! ```
+//!
+//! # How a check runs
+//!
+//! A check is one `EVALSHA` of one script, one round trip. The script holds the six
+//! algorithms, each a line-for-line mirror of `src/algorithm/*.rs` (same names, same order of
+//! steps; the files are `src/store/redis/*.lua`). It decides every check of the call, and
+//! writes only if all admit, so a stacked check is all or nothing. Scripts are loaded when the
+//! store connects; after a Redis restart or `SCRIPT FLUSH` the server answers `NOSCRIPT` and
+//! the store sends the script itself (`EVAL`, which also caches it) in the same call.
+//!
+//! Concurrent checks are pipelined over a pool of connections (by default 4). No lock is held
+//! across an await; the only locks are the optional deny cache's, held for a hash-map lookup.
+//!
+//! # Time
+//!
+//! The scripts read the time with Redis `TIME`, so every instance shares the Redis server's
+//! clock and a skewed instance clock changes nothing. Fixed and sliding windows are aligned on
+//! Unix time: window k is `[kW, (k+1)W)`.
+//!
+//! # Exact arithmetic in Lua
+//!
+//! Lua numbers are doubles, exact for integers below 2^53, and nanoseconds since the epoch
+//! (~1.8e18) are not. So each Redis key stores a base second `b` and its times as nanosecond
+//! offsets from `b`; the script reads `now` as `(sec - b) * 1e9 + nsec` and writes the state
+//! back rebased on the current second. A state older than its policy's horizon (the window,
+//! twice the window for the sliding window, `limit * interval` for the buckets) has fully
+//! recovered and is read as fresh, so offsets never exceed about twice the horizon. Hence the
+//! bounds checked by [`RedisStore::supports`]: the horizon at most [`MAX_HORIZON`] (about 39
+//! days) and the limit at most [`MAX_LIMIT`] (2^52). The sliding window compares `prev * (W -
+//! elapsed)` with multiples of `W`, products up to 2^105: the script computes
+//! `floor(prev * (W - elapsed) / W)` exactly with 24-bit limbs, and every comparison of the
+//! Rust code reduces to an integer comparison on it. Decisions are therefore identical to
+//! [`MemoryStore`](crate::MemoryStore)'s, which the differential tests check on random traces.
+//!
+//! # Keys
+//!
+//! A key name is `{prefix}{tag}:{algorithm}:{fingerprint}:{key}`. The prefix is yours
+//! (default `tollgate:`). The tag, the only braces in the name, is a digest of the part of the
+//! key that picks the Cluster slot ([`KeySlots`]: by default the whole key, so every policy of
+//! one key shares a slot). The fingerprint is a stable hash of the policy (algorithm, limit,
+//! period, name), so two policies never share state. The user's key follows, with bytes outside
+//! printable ASCII and `{ } % #` escaped as `%XX`, so no user text can pick a slot or step
+//! into another namespace; when the escaped key is longer than 128 bytes it is replaced by `#`
+//! and its SHA-256. Every key is written with its expiry (`PEXPIRE`) in the same script, set to
+//! when its state will have fully recovered plus a slack (default 1 s): no key lives forever,
+//! and a rejection writes nothing.
+//!
+//! # Stacked checks across Cluster slots
+//!
+//! When the keys of one `check_all` share a slot (always on a single node or Sentinel), it is
+//! one atomic script. On a Cluster, keys in different slots cannot be in one script, so the
+//! store runs the script once per slot, concurrently, each consuming only if all of its own
+//! checks admit (consume), and if any slot rejected, runs a refund script on the slots that
+//! consumed (refund). Between the two, a concurrent request may see the consumed cost and be
+//! rejected: the protocol may briefly reject too much, it never admits too much. Refunds are
+//! exact:
+//!
+//! - fixed window and sliding window: the cost is taken back out of the window it was counted
+//!   in (in the sliding window, out of `prev` once that window has become the previous one);
+//!   once it has aged out there is nothing to take back;
+//! - sliding log: the cost is taken out of the entry logged at that time;
+//! - token bucket, leaky bucket and GCRA: the consuming script records how much later the
+//!   bucket's theoretical arrival time is because of this consumption, every admission on the
+//!   key updates that amount (idle time can absorb part of it), and the refund moves the
+//!   bucket back by what is left, as if the consumption had never happened. When two refunds of
+//!   one key overlap, each takes only what is left after the other, so a refund may then give
+//!   back less than exact (rejecting slightly more), never more. A refund that never comes
+//!   (the instance died in between) is forgotten after 60 s; the cost stays consumed.
+//!
+//! If a slot fails, the slots that consumed are refunded and the call returns the error.
+//!
+//! # Failures
+//!
+//! Every call has a timeout (default 250 ms): an unreachable Redis gives
+//! [`StoreError::Timeout`] or [`StoreError::Backend`] promptly, never a rejection. The
+//! connections reconnect by themselves (backoff from 50 ms to 1 s), so the store recovers
+//! within a second or two of Redis coming back, without being rebuilt. What to do meanwhile
+//! (fail open, closed or to a local store) and the circuit breaker are the business of
+//! [`ResilientStore`](crate::store::ResilientStore), which wraps any store.
+//!
+//! # Deny cache
+//!
+//! Optionally ([`RedisStoreBuilder::deny_cache`]), a rejection is remembered locally: the same
+//! key, policy and an equal or larger cost is answered here, without Redis, until the time the
+//! rejection said to retry (counted from when the call was sent, so never later than Redis
+//! would admit it). A flood of rejected requests then costs Redis almost nothing. The local
+//! answer's `remaining` is the one Redis gave; a refund elsewhere can make Redis admit slightly
+//! earlier than the cache says (an over-rejection, never an over-admission).
+
+mod deny;
+mod keys;
+
+pub use keys::KeySlots;
+
+use std::fmt;
+use std::future::Future;
+use std::hash::BuildHasher;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use fred::clients::Pool;
+use fred::error::{Error as FredError, ErrorKind};
+use fred::interfaces::{ClientLike, LuaInterface};
+use fred::types::config::{Config, ReconnectPolicy, ServerConfig};
+use fred::types::scripts::Script;
+use fred::types::{Builder, Key, MultipleKeys, Value};
+use smallvec::SmallVec;
+
+use self::deny::DenyCache;
+use self::keys::KeyNames;
+use super::{Check, NOTHING_TO_CHECK, Store, StoreError};
+use crate::clock::{Clock, SystemClock};
+use crate::{Algorithm, Decision, Policy};
+
+/// The longest horizon a policy may have on Redis: `3 * 2^50` ns, about 39 days. The horizon
+/// is the window (fixed window, sliding log), twice the window (sliding window) or `limit *
+/// interval` (token bucket, leaky bucket, GCRA). Below it every number in the scripts stays an
+/// exact integer.
+pub const MAX_HORIZON: Duration = Duration::from_nanos(3 << 50);
+
+/// The largest limit (or burst) a policy may have on Redis: 2^52.
+pub const MAX_LIMIT: u64 = 1 << 52;
+
+/// The default per-call timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// The default number of pooled connections.
+pub const DEFAULT_POOL_SIZE: usize = 4;
+
+/// The default longest key, in bytes (longer escaped keys are hashed; this bounds the work).
+pub const DEFAULT_MAX_KEY_LEN: usize = 64 * 1024;
+
+const CHECK_LUA: &str = concat!(
+    include_str!("common.lua"),
+    include_str!("gcra.lua"),
+    include_str!("token_bucket.lua"),
+    include_str!("leaky_bucket.lua"),
+    include_str!("fixed_window.lua"),
+    include_str!("sliding_window.lua"),
+    include_str!("sliding_log.lua"),
+    include_str!("check.lua"),
+);
+
+const REFUND_LUA: &str = concat!(
+    include_str!("common.lua"),
+    include_str!("gcra.lua"),
+    include_str!("token_bucket.lua"),
+    include_str!("leaky_bucket.lua"),
+    include_str!("fixed_window.lua"),
+    include_str!("sliding_window.lua"),
+    include_str!("sliding_log.lua"),
+    include_str!("refund.lua"),
+);
+
+/// Limiter state on Redis, shared by every instance that connects to the same server.
+///
+/// Cloning is cheap and clones share the connections. See the [module docs](self) for how
+/// checks run, the key layout, the precision of the arithmetic and the cross-slot protocol.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: Pool,
+    clustered: bool,
+    names: KeyNames,
+    max_key_len: usize,
+    timeout: Duration,
+    slack_ms: u64,
+    injected: Option<Arc<dyn Clock>>,
+    local: Arc<dyn Clock>,
+    deny: Option<DenyCache>,
+    deny_hasher: foldhash::fast::RandomState,
+    check_sha: String,
+    refund_sha: String,
+    instance: u64,
+    tokens: AtomicU64,
+}
+
+/// A policy the Redis store cannot run exactly (see [`RedisStore::supports`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnsupportedPolicy {
+    /// Which check of the call (0 from [`RedisStore::supports`]).
+    pub index: usize,
+    /// What is too large.
+    pub what: &'static str,
+    /// Its value (nanoseconds for a horizon).
+    pub value: u128,
+    /// The most the Redis store accepts.
+    pub max: u128,
+}
+
+impl fmt::Display for UnsupportedPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the policy of check {} is not supported by the Redis store: its {} is {} (at most {})",
+            self.index, self.what, self.value, self.max
+        )
+    }
+}
+
+impl std::error::Error for UnsupportedPolicy {}
+
+/// An error reported by Redis or by the connection to it (inside [`StoreError::Backend`]).
+#[derive(Clone, Debug)]
+pub struct RedisError {
+    message: String,
+}
+
+impl RedisError {
+    /// What went wrong, as the client reported it.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for RedisError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "redis: {}", self.message)
+    }
+}
+
+impl std::error::Error for RedisError {}
+
+fn backend_error(e: &FredError, timeout: Duration) -> StoreError {
+    if *e.kind() == ErrorKind::Timeout {
+        StoreError::Timeout(timeout)
+    } else {
+        StoreError::Backend(Box::new(RedisError {
+            message: format!("{:?}: {}", e.kind(), e.details()),
+        }))
+    }
+}
+
+fn horizon(policy: &Policy) -> u128 {
+    let (limit, period) = (
+        u128::from(policy.limit()),
+        u128::from(policy.period_nanos()),
+    );
+    match policy.algorithm() {
+        Algorithm::FixedWindow | Algorithm::SlidingLog => period,
+        Algorithm::SlidingWindow => 2 * period,
+        _ => limit * period,
+    }
+}
+
+impl RedisStore {
+    /// Connects to the Redis at `url` with the default configuration: `redis://host:port/db`,
+    /// `redis-cluster://host:port?node=host2:port2` or
+    /// `redis-sentinel://host:port?sentinelServiceName=name`, with `user:password@` as usual.
+    pub async fn connect(url: &str) -> Result<RedisStore, StoreError> {
+        Self::builder().url(url).connect().await
+    }
+
+    /// A builder for the key prefix, pool size, timeouts, deny cache and Cluster or Sentinel
+    /// configuration.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder::default()
+    }
+
+    /// Whether the Redis store runs `policy` exactly: its limit at most [`MAX_LIMIT`] and its
+    /// horizon at most [`MAX_HORIZON`]. A check with an unsupported policy fails with
+    /// [`StoreError::Backend`] holding an [`UnsupportedPolicy`]; call this when you build your
+    /// policies to find out at start-up.
+    pub fn supports(policy: &Policy) -> Result<(), UnsupportedPolicy> {
+        supports(policy, 0)
+    }
+
+    /// Checks one request of `cost` against `policy` for `key`.
+    pub fn check(&self, key: &str, policy: &Policy, cost: u64) -> ResponseFuture {
+        self.check_all(&[Check::new(key, policy, cost)])
+    }
+
+    /// Checks a stack of limits all or nothing, and returns the most restrictive decision.
+    pub fn check_all(&self, checks: &[Check<'_>]) -> ResponseFuture {
+        match self.inner.prepare(checks) {
+            Err(e) => ResponseFuture::ready(Err(e)),
+            Ok(Prepared::Done(d)) => ResponseFuture::ready(Ok(d)),
+            Ok(Prepared::Ask(call)) => {
+                let inner = Arc::clone(&self.inner);
+                ResponseFuture::boxed(async move { inner.run(call).await })
+            }
+        }
+    }
+
+    /// The Redis key name under which `key`'s state for `policy` is kept.
+    pub fn key_name(&self, key: &str, policy: &Policy) -> String {
+        self.inner.names.name(key, policy)
+    }
+
+    /// How many rejections the deny cache holds (0 without a deny cache).
+    pub fn deny_cache_len(&self) -> usize {
+        self.inner.deny.as_ref().map_or(0, DenyCache::len)
+    }
+
+    /// Whether the store talks to a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.inner.clustered
+    }
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.inner.names.prefix)
+            .field("slots", &self.inner.names.slots)
+            .field("cluster", &self.inner.clustered)
+            .field("pool_size", &self.inner.pool.size())
+            .field("timeout", &self.inner.timeout)
+            .field("deny_cache", &self.inner.deny.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Store for RedisStore {
+    type Future = ResponseFuture;
+
+    fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
+        RedisStore::check_all(self, checks)
+    }
+
+    fn check(&self, key: &str, policy: &Policy, cost: u64) -> Self::Future {
+        RedisStore::check(self, key, policy, cost)
+    }
+}
+
+fn supports(policy: &Policy, index: usize) -> Result<(), UnsupportedPolicy> {
+    if policy.limit() > MAX_LIMIT {
+        return Err(UnsupportedPolicy {
+            index,
+            what: "limit",
+            value: u128::from(policy.limit()),
+            max: u128::from(MAX_LIMIT),
+        });
+    }
+    let h = horizon(policy);
+    if h > MAX_HORIZON.as_nanos() {
+        return Err(UnsupportedPolicy {
+            index,
+            what: "horizon (ns)",
+            value: h,
+            max: MAX_HORIZON.as_nanos(),
+        });
+    }
+    Ok(())
+}
+
+/// The future of a Redis check: ready at once for an invalid call or a deny-cache hit, boxed
+/// otherwise.
+#[must_use = "futures do nothing unless polled"]
+pub struct ResponseFuture {
+    state: FutureState,
+}
+
+type BoxFuture = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send + 'static>>;
+
+enum FutureState {
+    Ready(Option<Result<Decision, StoreError>>),
+    Boxed(BoxFuture),
+}
+
+impl ResponseFuture {
+    fn ready(r: Result<Decision, StoreError>) -> Self {
+        Self {
+            state: FutureState::Ready(Some(r)),
+        }
+    }
+
+    fn boxed(f: impl Future<Output = Result<Decision, StoreError>> + Send + 'static) -> Self {
+        Self {
+            state: FutureState::Boxed(Box::pin(f)),
+        }
+    }
+}
+
+impl Future for ResponseFuture {
+    type Output = Result<Decision, StoreError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.state {
+            FutureState::Ready(r) => match r.take() {
+                Some(r) => Poll::Ready(r),
+                None => Poll::Pending,
+            },
+            FutureState::Boxed(f) => f.as_mut().poll(cx),
+        }
+    }
+}
+
+impl fmt::Debug for ResponseFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.state {
+            FutureState::Ready(_) => "ready",
+            FutureState::Boxed(_) => "pending",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish()
+    }
+}
+
+/// One check, owned, ready for the script.
+struct Item {
+    key: String,
+    slot: u16,
+    algorithm: &'static str,
+    limit: u64,
+    period: u64,
+    cost: u64,
+    horizon: u64,
+    index: usize,
+    deny_hash: u64,
+}
+
+struct Call {
+    items: SmallVec<[Item; 4]>,
+    /// Injected time as (seconds, nanoseconds), or None for Redis TIME.
+    time: Option<(u64, u64)>,
+    sent: u64,
+}
+
+enum Prepared {
+    Done(Decision),
+    Ask(Box<Call>),
+}
+
+/// One script call's worth of items (one hash slot).
+struct Group<'a> {
+    items: SmallVec<[&'a Item; 4]>,
+    tokens: SmallVec<[String; 4]>,
+}
+
+/// What a slot's script answered: its decisions and where each admitted cost went.
+struct Answer {
+    admitted: bool,
+    decisions: SmallVec<[(Decision, i64, i64); 4]>,
+}
+
+impl Inner {
+    fn prepare(&self, checks: &[Check<'_>]) -> Result<Prepared, StoreError> {
+        if checks.is_empty() {
+            return Ok(Prepared::Done(NOTHING_TO_CHECK));
+        }
+        let mut merged: SmallVec<[(Check<'_>, usize); 4]> = SmallVec::new();
+        for (index, check) in checks.iter().enumerate() {
+            check.validate(index, self.max_key_len)?;
+            supports(check.policy(), index).map_err(|e| StoreError::Backend(Box::new(e)))?;
+            // The same (key, policy) twice in one stack is one check of the summed cost.
+            match merged
+                .iter_mut()
+                .find(|(c, _)| c.policy().id() == check.policy().id() && c.key() == check.key())
+            {
+                Some((c, _)) => {
+                    let cost = c
+                        .cost()
+                        .checked_add(check.cost())
+                        .filter(|&s| s <= c.policy().limit())
+                        .ok_or(StoreError::CostExceedsLimit {
+                            index,
+                            cost: c.cost().saturating_add(check.cost()),
+                            limit: c.policy().limit(),
+                        })?;
+                    *c = Check::new(c.key(), c.policy(), cost);
+                }
+                None => merged.push((*check, index)),
+            }
+        }
+        let local_now = self.local.now();
+        let mut items = SmallVec::new();
+        for (check, index) in merged {
+            let key = self.names.name(check.key(), check.policy());
+            let deny_hash = self.deny_hasher.hash_one(&key);
+            if let Some(deny) = &self.deny {
+                if let Some(d) = deny.get(deny_hash, check.cost(), local_now) {
+                    return Ok(Prepared::Done(d.with_index(index)));
+                }
+            }
+            let policy = check.policy();
+            items.push(Item {
+                slot: if self.clustered {
+                    fred::util::redis_keyslot(key.as_bytes())
+                } else {
+                    0
+                },
+                key,
+                algorithm: policy.algorithm().as_str(),
+                limit: policy.limit(),
+                period: policy.period_nanos(),
+                cost: check.cost(),
+                // Bounded by MAX_HORIZON, checked above.
+                horizon: u64::try_from(horizon(policy)).unwrap_or(u64::MAX),
+                index,
+                deny_hash,
+            });
+        }
+        let time = self.injected.as_ref().map(|c| {
+            let now = c.now();
+            (now / 1_000_000_000, now % 1_000_000_000)
+        });
+        Ok(Prepared::Ask(Box::new(Call {
+            items,
+            time,
+            sent: local_now,
+        })))
+    }
+
+    async fn run(self: Arc<Self>, call: Box<Call>) -> Result<Decision, StoreError> {
+        match tokio::time::timeout(self.timeout, self.decide(&call)).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    fn time_args(&self, call: &Call) -> [String; 3] {
+        match call.time {
+            Some((s, n)) => [s.to_string(), n.to_string(), self.slack_ms.to_string()],
+            None => [String::new(), "0".into(), self.slack_ms.to_string()],
+        }
+    }
+
+    async fn decide(&self, call: &Call) -> Result<Decision, StoreError> {
+        let first_slot = call.items[0].slot;
+        let one_slot = call.items.iter().all(|it| it.slot == first_slot);
+        let answers = if one_slot {
+            let group = Group {
+                items: call.items.iter().collect(),
+                tokens: call.items.iter().map(|_| String::new()).collect(),
+            };
+            vec![self.consume(call, &group).await?]
+        } else {
+            self.consume_across_slots(call).await?
+        };
+        let mut verdict: Option<Decision> = None;
+        let now = self.local.now();
+        for (answer, items) in answers.iter().zip(Self::slot_groups(call)) {
+            for ((d, _, _), item) in answer.decisions.iter().zip(items) {
+                if !d.allowed() {
+                    if let Some(deny) = &self.deny {
+                        deny.insert(item.deny_hash, item.cost, call.sent, now, *d);
+                    }
+                }
+                verdict = Some(verdict.map_or(*d, |v| v.most_restrictive(*d)));
+            }
+        }
+        Ok(verdict.unwrap_or(NOTHING_TO_CHECK))
+    }
+
+    /// The items grouped by slot, in the order `consume_across_slots` answers them (one group
+    /// when all share a slot).
+    fn slot_groups(call: &Call) -> Vec<SmallVec<[&Item; 4]>> {
+        let mut slots: SmallVec<[u16; 4]> = call.items.iter().map(|it| it.slot).collect();
+        slots.sort_unstable();
+        slots.dedup();
+        slots
+            .iter()
+            .map(|&s| call.items.iter().filter(|it| it.slot == s).collect())
+            .collect()
+    }
+
+    async fn consume_across_slots(&self, call: &Call) -> Result<Vec<Answer>, StoreError> {
+        let groups: Vec<Group<'_>> = Self::slot_groups(call)
+            .into_iter()
+            .map(|items| Group {
+                tokens: items
+                    .iter()
+                    .map(|it| match it.algorithm {
+                        "token_bucket" | "leaky_bucket" | "gcra" => format!(
+                            "{:x}.{:x}",
+                            self.instance,
+                            self.tokens.fetch_add(1, Ordering::Relaxed)
+                        ),
+                        _ => String::new(),
+                    })
+                    .collect(),
+                items,
+            })
+            .collect();
+        let results =
+            futures_util::future::join_all(groups.iter().map(|g| self.consume(call, g))).await;
+        let all_admitted = results.iter().all(|r| matches!(r, Ok(a) if a.admitted));
+        if !all_admitted {
+            // Take back what the slots that admitted consumed.
+            let refunds = groups.iter().zip(&results).filter_map(|(g, r)| match r {
+                Ok(a) if a.admitted => Some(self.refund(call, g, a)),
+                _ => None,
+            });
+            let _ = futures_util::future::join_all(refunds).await;
+        }
+        results.into_iter().collect()
+    }
+
+    async fn consume(&self, call: &Call, group: &Group<'_>) -> Result<Answer, StoreError> {
+        let keys: Vec<Key> = group.items.iter().map(|it| Key::from(&*it.key)).collect();
+        let mut args: Vec<Value> = Vec::with_capacity(3 + 6 * group.items.len());
+        args.extend(self.time_args(call).map(Value::from));
+        for (it, token) in group.items.iter().zip(&group.tokens) {
+            args.push(Value::from(it.algorithm));
+            args.push(Value::from(it.limit.to_string()));
+            args.push(Value::from(it.period.to_string()));
+            args.push(Value::from(it.cost.to_string()));
+            args.push(Value::from(it.horizon.to_string()));
+            args.push(Value::from(token.as_str()));
+        }
+        let out = self
+            .eval(&self.check_sha, CHECK_LUA, keys, args)
+            .await
+            .map_err(|e| backend_error(&e, self.timeout))?;
+        if out.len() != 1 + 6 * group.items.len() {
+            return Err(StoreError::Backend(Box::new(RedisError {
+                message: format!("unexpected script answer of {} values", out.len()),
+            })));
+        }
+        let decisions = group
+            .items
+            .iter()
+            .zip(out[1..].chunks_exact(6))
+            .map(|(it, v)| {
+                let n = |x: i64| u64::try_from(x).unwrap_or(0);
+                let d = Decision::from_nanos(v[0] == 1, it.limit, n(v[1]), n(v[2]), n(v[3]))
+                    .with_index(it.index);
+                (d, v[4], v[5])
+            })
+            .collect();
+        Ok(Answer {
+            admitted: out[0] == 1,
+            decisions,
+        })
+    }
+
+    async fn refund(
+        &self,
+        call: &Call,
+        group: &Group<'_>,
+        answer: &Answer,
+    ) -> Result<(), StoreError> {
+        let keys: Vec<Key> = group.items.iter().map(|it| Key::from(&*it.key)).collect();
+        let mut args: Vec<Value> = Vec::with_capacity(3 + 8 * group.items.len());
+        args.extend(self.time_args(call).map(Value::from));
+        for ((it, token), (_, ref_b, ref_t)) in
+            group.items.iter().zip(&group.tokens).zip(&answer.decisions)
+        {
+            args.push(Value::from(it.algorithm));
+            args.push(Value::from(it.limit.to_string()));
+            args.push(Value::from(it.period.to_string()));
+            args.push(Value::from(it.cost.to_string()));
+            args.push(Value::from(it.horizon.to_string()));
+            args.push(Value::from(token.as_str()));
+            args.push(Value::from(ref_b.to_string()));
+            args.push(Value::from(ref_t.to_string()));
+        }
+        self.eval_value(&self.refund_sha, REFUND_LUA, keys, args)
+            .await
+            .map(|_| ())
+            .map_err(|e| backend_error(&e, self.timeout))
+    }
+
+    /// EVALSHA, and EVAL of the whole script if the server has lost it (restart, SCRIPT
+    /// FLUSH, a new Cluster node): EVAL caches it again.
+    async fn eval(
+        &self,
+        sha: &str,
+        lua: &'static str,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+    ) -> Result<Vec<i64>, FredError> {
+        let keys = MultipleKeys::from(keys);
+        let args = Value::Array(args);
+        match self
+            .pool
+            .evalsha::<Vec<i64>, _, _, _>(sha, keys.clone(), args.clone())
+            .await
+        {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                self.pool.eval::<Vec<i64>, _, _, _>(lua, keys, args).await
+            }
+            r => r,
+        }
+    }
+
+    async fn eval_value(
+        &self,
+        sha: &str,
+        lua: &'static str,
+        keys: Vec<Key>,
+        args: Vec<Value>,
+    ) -> Result<Value, FredError> {
+        let keys = MultipleKeys::from(keys);
+        let args = Value::Array(args);
+        match self
+            .pool
+            .evalsha::<Value, _, _, _>(sha, keys.clone(), args.clone())
+            .await
+        {
+            Err(e) if e.details().starts_with("NOSCRIPT") => {
+                self.pool.eval::<Value, _, _, _>(lua, keys, args).await
+            }
+            r => r,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Server {
+    Url(String),
+    Cluster(Vec<(String, u16)>),
+    Sentinel {
+        hosts: Vec<(String, u16)>,
+        service: String,
+    },
+}
+
+/// Configures a [`RedisStore`]; made by [`RedisStore::builder`].
+#[derive(Clone)]
+pub struct RedisStoreBuilder {
+    server: Server,
+    prefix: String,
+    slots: KeySlots,
+    pool_size: usize,
+    timeout: Duration,
+    connect_timeout: Duration,
+    deny_cache: usize,
+    max_key_len: usize,
+    ttl_slack: Duration,
+    injected: Option<Arc<dyn Clock>>,
+}
+
+impl Default for RedisStoreBuilder {
+    fn default() -> Self {
+        Self {
+            server: Server::Url("redis://127.0.0.1:6379".into()),
+            prefix: "tollgate:".into(),
+            slots: KeySlots::PerKey,
+            pool_size: DEFAULT_POOL_SIZE,
+            timeout: DEFAULT_TIMEOUT,
+            connect_timeout: Duration::from_secs(1),
+            deny_cache: 0,
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+            ttl_slack: Duration::from_secs(1),
+            injected: None,
+        }
+    }
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let server = match &self.server {
+            // The URL may hold a password.
+            Server::Url(_) => "url".to_owned(),
+            Server::Cluster(nodes) => format!("cluster {nodes:?}"),
+            Server::Sentinel { hosts, service } => format!("sentinel {service} {hosts:?}"),
+        };
+        f.debug_struct("RedisStoreBuilder")
+            .field("server", &server)
+            .field("prefix", &self.prefix)
+            .field("slots", &self.slots)
+            .field("pool_size", &self.pool_size)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("deny_cache", &self.deny_cache)
+            .field("max_key_len", &self.max_key_len)
+            .field("ttl_slack", &self.ttl_slack)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStoreBuilder {
+    /// The server, as a URL (see [`RedisStore::connect`]). Default `redis://127.0.0.1:6379`.
+    pub fn url(mut self, url: impl Into<String>) -> Self {
+        self.server = Server::Url(url.into());
+        self
+    }
+
+    /// A Redis Cluster, found from any of these `(host, port)` nodes.
+    pub fn cluster<H: Into<String>>(mut self, nodes: impl IntoIterator<Item = (H, u16)>) -> Self {
+        self.server = Server::Cluster(nodes.into_iter().map(|(h, p)| (h.into(), p)).collect());
+        self
+    }
+
+    /// A primary found through Sentinel: the sentinels' `(host, port)` and the service name.
+    pub fn sentinel<H: Into<String>>(
+        mut self,
+        sentinels: impl IntoIterator<Item = (H, u16)>,
+        service_name: impl Into<String>,
+    ) -> Self {
+        self.server = Server::Sentinel {
+            hosts: sentinels.into_iter().map(|(h, p)| (h.into(), p)).collect(),
+            service: service_name.into(),
+        };
+        self
+    }
+
+    /// The prefix of every key name (default `tollgate:`). It may not contain `{` or `}`
+    /// (the store chooses the hash tag).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How keys are placed on Cluster slots (default [`KeySlots::PerKey`]).
+    pub fn key_slots(mut self, slots: KeySlots) -> Self {
+        self.slots = slots;
+        self
+    }
+
+    /// How many connections to pipeline over (default 4, at least 1).
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size.clamp(1, 256);
+        self
+    }
+
+    /// The most a call may take before it fails with [`StoreError::Timeout`] (default
+    /// 250 ms).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The most connecting (and each reconnection attempt) may take (default 1 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Remember up to `capacity` rejections locally and answer them without Redis until their
+    /// retry time (default 0: off). See the module docs.
+    pub fn deny_cache(mut self, capacity: usize) -> Self {
+        self.deny_cache = capacity;
+        self
+    }
+
+    /// The longest key accepted, in bytes (default 64 KiB); a longer one is a
+    /// [`StoreError::KeyTooLong`]. Keys longer than 128 bytes once escaped are stored under
+    /// their SHA-256.
+    pub fn max_key_len(mut self, max_key_len: usize) -> Self {
+        self.max_key_len = max_key_len;
+        self
+    }
+
+    /// Added to every key's expiry beyond the moment its state has fully recovered (default
+    /// 1 s).
+    pub fn ttl_slack(mut self, slack: Duration) -> Self {
+        self.ttl_slack = slack;
+        self
+    }
+
+    /// Testing only: the scripts take the time from `clock` (nanoseconds since the Unix
+    /// epoch, or any origin) instead of Redis `TIME`, and keys expire an hour after they
+    /// recover, so that a test can drive this store and a `MemoryStore` with one
+    /// `ManualClock`. Never use it in production: instances would not share a clock.
+    #[doc(hidden)]
+    pub fn injected_clock(mut self, clock: impl Clock) -> Self {
+        self.injected = Some(Arc::new(clock));
+        self.ttl_slack = Duration::from_secs(3600);
+        self
+    }
+
+    /// Connects and loads the scripts.
+    pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        let config_error = |message: String| StoreError::Backend(Box::new(RedisError { message }));
+        if self.prefix.contains(['{', '}']) {
+            return Err(config_error(format!(
+                "the key prefix {:?} may not contain braces",
+                self.prefix
+            )));
+        }
+        let mut config = match &self.server {
+            Server::Url(url) => {
+                Config::from_url(url).map_err(|e| config_error(e.details().into()))?
+            }
+            Server::Cluster(nodes) => Config {
+                server: ServerConfig::new_clustered(nodes.clone()),
+                ..Config::default()
+            },
+            Server::Sentinel { hosts, service } => Config {
+                server: ServerConfig::new_sentinel(hosts.clone(), service.clone()),
+                ..Config::default()
+            },
+        };
+        config.fail_fast = true;
+        let clustered = config.server.is_clustered();
+        let mut builder = Builder::from_config(config);
+        let (timeout, connect_timeout) = (self.timeout, self.connect_timeout);
+        builder
+            .with_connection_config(|c| {
+                c.connection_timeout = connect_timeout;
+                c.internal_command_timeout = connect_timeout;
+                // A script is not idempotent: never send it twice on our behalf.
+                c.max_command_attempts = 1;
+                c.tcp.nodelay = Some(true);
+            })
+            .with_performance_config(|p| {
+                p.default_command_timeout = timeout;
+            })
+            .set_policy(ReconnectPolicy::new_exponential(0, 50, 1000, 2));
+        let pool = builder
+            .build_pool(self.pool_size)
+            .map_err(|e| config_error(e.details().into()))?;
+        match tokio::time::timeout(connect_timeout + timeout, pool.init()).await {
+            Ok(Ok(_handle)) => {}
+            Ok(Err(e)) => return Err(backend_error(&e, connect_timeout)),
+            Err(_) => {
+                let _ = pool.quit().await;
+                return Err(StoreError::Timeout(connect_timeout));
+            }
+        }
+        let check = Script::from_lua(CHECK_LUA);
+        let refund = Script::from_lua(REFUND_LUA);
+        for lua in [CHECK_LUA, REFUND_LUA] {
+            let loaded = if clustered {
+                pool.next().script_load_cluster::<Value, _>(lua).await
+            } else {
+                pool.next().script_load::<Value, _>(lua).await
+            };
+            loaded.map_err(|e| backend_error(&e, timeout))?;
+        }
+        let local: Arc<dyn Clock> = match &self.injected {
+            Some(c) => Arc::clone(c),
+            None => Arc::new(SystemClock::new()),
+        };
+        let hasher = foldhash::fast::RandomState::default();
+        let instance = hasher.hash_one((std::process::id(), local.now()));
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                pool,
+                clustered,
+                names: KeyNames {
+                    prefix: self.prefix,
+                    slots: self.slots,
+                },
+                max_key_len: self.max_key_len,
+                timeout,
+                slack_ms: u64::try_from(self.ttl_slack.as_millis()).unwrap_or(u64::MAX),
+                injected: self.injected,
+                local,
+                deny: (self.deny_cache > 0).then(|| DenyCache::new(self.deny_cache)),
+                deny_hasher: hasher,
+                check_sha: check.sha1().to_string(),
+                refund_sha: refund.sha1().to_string(),
+                instance,
+                tokens: AtomicU64::new(0),
+            }),
+        })
+    }
+}

@@ -1,0 +1,215 @@
+//! Shared by the integration tests: real `redis-server` processes on free loopback ports, and
+//! the table of test vectors that runs against both the Rust algorithms and the Lua scripts.
+#![allow(dead_code, unreachable_pub)]
+
+pub mod vectors;
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// Whether the Redis binaries are here. Without them: under CI (`CI=true`) the test fails,
+/// elsewhere it prints a loud skip message and the caller returns.
+pub fn redis_available() -> bool {
+    let found = Command::new("redis-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !found {
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            panic!(
+                "redis-server is not installed, and CI=true: install redis-server and redis-tools"
+            );
+        }
+        eprintln!();
+        eprintln!("!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!");
+        eprintln!("!!! SKIPPED: redis-server not found; install it to run the Redis tests !!!");
+        eprintln!("!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!");
+    }
+    found
+}
+
+/// Starts a Redis server, or returns from the test when Redis is not installed (see
+/// [`redis_available`]).
+#[macro_export]
+macro_rules! redis_or_skip {
+    () => {
+        match $crate::support::RedisServer::start() {
+            Some(server) => server,
+            None => return,
+        }
+    };
+}
+
+/// A free loopback port whose cluster bus port (+10000) is free too.
+pub fn free_port() -> u16 {
+    loop {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// A `redis-server` of its own, killed (and its directory removed) on drop.
+pub struct RedisServer {
+    child: Option<Child>,
+    pub port: u16,
+    dir: PathBuf,
+    cluster: bool,
+}
+
+impl RedisServer {
+    /// A single node on a free port, or None (after the skip message) without Redis.
+    pub fn start() -> Option<Self> {
+        if !redis_available() {
+            return None;
+        }
+        Some(Self::spawn(free_port(), false))
+    }
+
+    fn spawn(port: u16, cluster: bool) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let mut s = Self {
+            child: None,
+            port,
+            dir,
+            cluster,
+        };
+        s.launch();
+        s
+    }
+
+    fn launch(&mut self) {
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &self.port.to_string()])
+            .args(["--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .args(["--dir", self.dir.to_str().expect("utf-8 path")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if self.cluster {
+            cmd.args(["--cluster-enabled", "yes"])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", "2000"]);
+        }
+        self.child = Some(cmd.spawn().expect("start redis-server"));
+        // Wait for the process to accept commands (bounded).
+        for _ in 0..200 {
+            if self.cli(&["PING"]).trim() == "PONG" {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("redis-server on port {} did not start", self.port);
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs `redis-cli` against this server and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Kills the server (SIGKILL) and waits for it to be gone.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the server again on the same port (empty: nothing was saved).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A three-master Redis Cluster, no replicas.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> Option<Self> {
+        if !redis_available() {
+            return None;
+        }
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| RedisServer::spawn(free_port(), true))
+            .collect();
+        let mut args = vec!["--cluster".to_owned(), "create".to_owned()];
+        args.extend(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
+        args.extend(["--cluster-replicas", "0", "--cluster-yes"].map(String::from));
+        let out = Command::new("redis-cli")
+            .args(&args)
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        for _ in 0..500 {
+            if nodes
+                .iter()
+                .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+            {
+                return Some(Self { nodes });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("the cluster did not become ready");
+    }
+
+    pub fn nodes(&self) -> Vec<(String, u16)> {
+        self.nodes
+            .iter()
+            .map(|n| ("127.0.0.1".to_owned(), n.port))
+            .collect()
+    }
+}
+
+/// Every key on `server` (SCAN) with its PTTL.
+pub fn keys_with_ttl(server: &RedisServer) -> Vec<(String, i64)> {
+    let mut out = Vec::new();
+    let mut cursor = "0".to_owned();
+    loop {
+        let reply = server.cli(&["SCAN", &cursor, "COUNT", "1000"]);
+        let mut lines = reply.lines();
+        cursor = lines.next().unwrap_or("0").trim().to_owned();
+        for key in lines {
+            if key.is_empty() {
+                continue;
+            }
+            let ttl = server.cli(&["PTTL", key]).trim().parse().unwrap_or(-3);
+            out.push((key.to_owned(), ttl));
+        }
+        if cursor == "0" {
+            return out;
+        }
+    }
+}
