@@ -33,10 +33,12 @@ mod memory;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+pub mod resilient;
 
 pub use memory::{
     DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_KEYS, DEFAULT_SHARDS, MemoryStore, MemoryStoreBuilder,
 };
+pub use resilient::{FailurePolicy, ResilientStore};
 
 use std::fmt;
 use std::future::Future;
