@@ -138,20 +138,40 @@ local function load_hash(key, sec, horizon, fields)
 end
 
 -- Pending refunds of the bucket algorithms (cross-slot checks), kept in field `p` as
--- "token,delta,created;..." where delta is how much later than without that consumption the
--- bucket's theoretical arrival time T now is. An admitted write at `now` moves T to
--- max(T, now) + cost, which can absorb part of a delta: delta' = max(T, now) - max(T - delta,
--- now). Entries older than 60 s are dropped (their refund never came); at most 32 are kept.
-local function pending_absorb(p, T, now, sec)
+-- "token,delta,created_ms,headroom;...". `delta` is how much later the bucket's theoretical
+-- arrival time T is because of that consumption. An admitted write at `now` moves T to
+-- max(T, now) + cost, which can absorb part of a delta (idle time): delta' = max(T, now) -
+-- max(T - delta, now) = min(delta, backlog) with backlog = max(T - now, 0). `headroom` is the
+-- least backlog seen by a write since the consumption (-1: none yet). Refunding i changes the
+-- delta of another pending j from delta_j to clamp(h - delta_i, 0, delta_j), where h is the
+-- headroom of the later of the two: without both consumptions the difference would be
+-- min(delta_i + delta_j, h). Entries older than PENDING_MS are dropped (the refund, if any,
+-- comes within the call's timeout; an admitted call settles its entry at once); at most
+-- PENDING_MAX are kept (a consumption beyond that is not refundable: an over-rejection, never
+-- an over-admission).
+
+local PENDING_MS = 2000
+local PENDING_MAX = 256
+local PENDING_ENTRY = '([^,;]+),([^,;]+),([^,;]+),([^,;]+)'
+
+local function now_ms(sec, nsec)
+  return sec * 1000 + floor(nsec / 1000000)
+end
+
+local function pending_absorb(p, T, now, ms)
   if p == nil or p == false or p == '' then
     return nil
   end
   local out = {}
-  for tok, d, at in string.gmatch(p, '([^,;]+),([^,;]+),([^,;]+)') do
-    d = tonumber(d)
+  local backlog = max(T - now, 0)
+  for tok, d, at, h in string.gmatch(p, PENDING_ENTRY) do
+    d, h = tonumber(d), tonumber(h)
     local left = max(T, now) - max(T - d, now)
-    if left > 0 and sec - tonumber(at) <= 60 and #out < 32 then
-      out[#out + 1] = tok .. ',' .. int(left) .. ',' .. at
+    if h < 0 or backlog < h then
+      h = backlog
+    end
+    if left > 0 and ms - tonumber(at) <= PENDING_MS and #out < PENDING_MAX then
+      out[#out + 1] = tok .. ',' .. int(left) .. ',' .. at .. ',' .. int(h)
     end
   end
   if #out == 0 then
@@ -160,35 +180,44 @@ local function pending_absorb(p, T, now, sec)
   return table.concat(out, ';')
 end
 
-local function pending_add(p, token, delta, sec)
-  local entry = token .. ',' .. int(delta) .. ',' .. int(sec)
+local function pending_add(p, token, delta, ms)
+  local entry = token .. ',' .. int(delta) .. ',' .. int(ms) .. ',-1'
   if p == nil or p == false or p == '' then
     return entry
   end
   local n = select(2, string.gsub(p, ';', ';')) + 1
-  if n >= 32 then
+  if n >= PENDING_MAX then
     return p
   end
   return p .. ';' .. entry
 end
 
--- Takes `token` out of the pending list: its delta (0 if unknown) and the list left, where
--- every other delta is reduced by it (never over-refunding when refunds overlap).
-local function pending_take(p, token)
+-- Takes `token` out of the pending list: its delta (0 if unknown) and the list left. With
+-- `settle` (the consumption stays), the other entries are left as they are.
+local function pending_take(p, token, settle)
   if p == nil or p == false or p == '' then
     return 0, nil
   end
-  local delta = 0
-  for tok, d in string.gmatch(p, '([^,;]+),([^,;]+),[^,;]+') do
+  local delta, hi = 0, -1
+  for tok, d, _, h in string.gmatch(p, PENDING_ENTRY) do
     if tok == token then
-      delta = tonumber(d)
+      delta, hi = tonumber(d), tonumber(h)
     end
   end
   local out = {}
-  for tok, d, at in string.gmatch(p, '([^,;]+),([^,;]+),([^,;]+)') do
-    local left = tonumber(d) - delta
-    if tok ~= token and left > 0 then
-      out[#out + 1] = tok .. ',' .. int(left) .. ',' .. at
+  for tok, d, at, h in string.gmatch(p, PENDING_ENTRY) do
+    d, h = tonumber(d), tonumber(h)
+    if tok ~= token then
+      if not settle and delta > 0 and h >= 0 and hi >= 0 then
+        d = min(max(max(h, hi) - delta, 0), d)
+      end
+      if not settle and h >= 0 then
+        -- Without the refunded consumption, past backlogs were smaller.
+        h = max(h - delta, 0)
+      end
+      if d > 0 then
+        out[#out + 1] = tok .. ',' .. int(d) .. ',' .. at .. ',' .. int(h)
+      end
     end
   end
   if #out == 0 then

@@ -49,7 +49,10 @@ end
 
 -- The counter is linear: taking the cost back out of the same window is exact; once the
 -- window has passed, its count no longer matters.
-REFUNDS['fixed_window'] = function(key, limit, window, cost, horizon, token, ref_b, ref_t, sec, now)
+REFUNDS['fixed_window'] = function(key, limit, window, cost, horizon, token, ref_b, ref_t, sec, now, settle)
+  if settle then
+    return
+  end
   local s = load_hash(key, sec, horizon, { 'start', 'count' })
   if s == nil then
     return

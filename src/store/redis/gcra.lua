@@ -24,23 +24,24 @@ ALGORITHMS['gcra'] = function(key, limit, interval, cost, horizon, sec, now)
     return d, nil
   end
   return d, function(slack, token)
-    local p = s and pending_absorb(s.p, tat, now, sec)
+    local p = s and pending_absorb(s.p, tat, now, now_ms(sec, now))
     if token ~= '' then
-      p = pending_add(p, token, cost * interval, sec)
+      p = pending_add(p, token, cost * interval, now_ms(sec, now))
     end
     store_hash(key, sec, p, s and s.p, ttl_ms(new_tat - now, slack), 'tat', int(new_tat))
     return 0, 0
   end
 end
 
-REFUNDS['gcra'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now)
+REFUNDS['gcra'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now, settle)
   local s = load_hash(key, sec, horizon, { 'tat' })
   if s == nil then
     return
   end
-  local delta, p = pending_take(s.p, token)
-  if delta == 0 then
-    return
+  local delta, p = pending_take(s.p, token, settle)
+  if settle then
+    -- The call was admitted everywhere: only forget how to refund it.
+    delta = 0
   end
   local tat = s.tat - s.shift - delta
   redis.call('HSET', key, 'b', int(sec), 'tat', int(tat))

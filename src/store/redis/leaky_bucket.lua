@@ -27,9 +27,9 @@ ALGORITHMS['leaky_bucket'] = function(key, limit, interval, cost, horizon, sec, 
     return d, nil
   end
   return d, function(slack, token)
-    local p = s and pending_absorb(s.p, last + level, now, sec)
+    local p = s and pending_absorb(s.p, last + level, now, now_ms(sec, now))
     if token ~= '' then
-      p = pending_add(p, token, cost * interval, sec)
+      p = pending_add(p, token, cost * interval, now_ms(sec, now))
     end
     local ttl = ttl_ms(new[2] + new[1] - now, slack)
     store_hash(key, sec, p, s and s.p, ttl, 'level', int(new[1]), 'last', int(new[2]))
@@ -37,14 +37,15 @@ ALGORITHMS['leaky_bucket'] = function(key, limit, interval, cost, horizon, sec, 
   end
 end
 
-REFUNDS['leaky_bucket'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now)
+REFUNDS['leaky_bucket'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now, settle)
   local s = load_hash(key, sec, horizon, { 'level', 'last' })
   if s == nil then
     return
   end
-  local delta, p = pending_take(s.p, token)
-  if delta == 0 then
-    return
+  local delta, p = pending_take(s.p, token, settle)
+  if settle then
+    -- The call was admitted everywhere: only forget how to refund it.
+    delta = 0
   end
   -- A level below zero reads as an empty bucket, like a theoretical arrival time in the past.
   redis.call('HSET', key, 'b', int(sec), 'level', int(s.level - delta), 'last', int(s.last - s.shift))

@@ -93,12 +93,15 @@
 //!   once it has aged out there is nothing to take back;
 //! - sliding log: the cost is taken out of the entry logged at that time;
 //! - token bucket, leaky bucket and GCRA: the consuming script records how much later the
-//!   bucket's theoretical arrival time is because of this consumption, every admission on the
-//!   key updates that amount (idle time can absorb part of it), and the refund moves the
-//!   bucket back by what is left, as if the consumption had never happened. When two refunds of
-//!   one key overlap, each takes only what is left after the other, so a refund may then give
-//!   back less than exact (rejecting slightly more), never more. A refund that never comes
-//!   (the instance died in between) is forgotten after 60 s; the cost stays consumed.
+//!   bucket's theoretical arrival time is because of this consumption (a pending refund, in
+//!   the key's hash). Every admission on the key updates that amount (idle time can absorb part
+//!   of it: it becomes `min(amount, backlog)`), and the refund moves the bucket back by what is
+//!   left, as if the consumption had never happened. When several refunds of one key are
+//!   pending at once, each refund recomputes the others from the least backlog seen since
+//!   them; exact while the bucket stayed busy, and otherwise rounded towards giving back less
+//!   (rejecting slightly more), never more. A call admitted on every slot settles its pending
+//!   refunds (a fire-and-forget script call); a pending refund is kept at most 2 s, and at most
+//!   256 per key: beyond that a consumption is simply not refunded.
 //!
 //! If a slot fails, the slots that consumed are refunded and the call returns the error.
 //!
@@ -616,10 +619,33 @@ impl Inner {
         let results =
             futures_util::future::join_all(groups.iter().map(|g| self.consume(call, g))).await;
         let all_admitted = results.iter().all(|r| matches!(r, Ok(a) if a.admitted));
-        if !all_admitted {
+        if all_admitted {
+            // Nothing to take back: let the buckets forget the pending refunds, off the
+            // caller's path.
+            for (g, r) in groups.iter().zip(&results) {
+                if let Ok(a) = r {
+                    if g.tokens.iter().any(|t| !t.is_empty()) {
+                        let (keys, args) = self.refund_args(call, g, a, "settle");
+                        let (pool, sha) = (self.pool.clone(), self.refund_sha.clone());
+                        tokio::spawn(async move {
+                            let _ = eval::<Value>(&pool, &sha, REFUND_LUA, keys, args).await;
+                        });
+                    }
+                }
+            }
+        } else {
             // Take back what the slots that admitted consumed.
             let refunds = groups.iter().zip(&results).filter_map(|(g, r)| match r {
-                Ok(a) if a.admitted => Some(self.refund(call, g, a)),
+                Ok(a) if a.admitted => {
+                    let (keys, args) = self.refund_args(call, g, a, "refund");
+                    Some(eval::<Value>(
+                        &self.pool,
+                        &self.refund_sha,
+                        REFUND_LUA,
+                        keys,
+                        args,
+                    ))
+                }
                 _ => None,
             });
             let _ = futures_util::future::join_all(refunds).await;
@@ -639,8 +665,7 @@ impl Inner {
             args.push(Value::from(it.horizon.to_string()));
             args.push(Value::from(token.as_str()));
         }
-        let out = self
-            .eval(&self.check_sha, CHECK_LUA, keys, args)
+        let out = eval::<Vec<i64>>(&self.pool, &self.check_sha, CHECK_LUA, keys, args)
             .await
             .map_err(|e| backend_error(&e, self.timeout))?;
         if out.len() != 1 + 6 * group.items.len() {
@@ -665,15 +690,19 @@ impl Inner {
         })
     }
 
-    async fn refund(
+    /// The keys and arguments of refund.lua for a group: `mode` is `refund` (take back what
+    /// the group consumed) or `settle` (the call was admitted: forget how to refund it).
+    fn refund_args(
         &self,
         call: &Call,
         group: &Group<'_>,
         answer: &Answer,
-    ) -> Result<(), StoreError> {
+        mode: &'static str,
+    ) -> (Vec<Key>, Vec<Value>) {
         let keys: Vec<Key> = group.items.iter().map(|it| Key::from(&*it.key)).collect();
         let mut args: Vec<Value> = Vec::with_capacity(3 + 8 * group.items.len());
-        args.extend(self.time_args(call).map(Value::from));
+        let [sec, nsec, _] = self.time_args(call);
+        args.extend([Value::from(sec), Value::from(nsec), Value::from(mode)]);
         for ((it, token), (_, ref_b, ref_t)) in
             group.items.iter().zip(&group.tokens).zip(&answer.decisions)
         {
@@ -686,54 +715,29 @@ impl Inner {
             args.push(Value::from(ref_b.to_string()));
             args.push(Value::from(ref_t.to_string()));
         }
-        self.eval_value(&self.refund_sha, REFUND_LUA, keys, args)
-            .await
-            .map(|_| ())
-            .map_err(|e| backend_error(&e, self.timeout))
+        (keys, args)
     }
+}
 
-    /// EVALSHA, and EVAL of the whole script if the server has lost it (restart, SCRIPT
-    /// FLUSH, a new Cluster node): EVAL caches it again.
-    async fn eval(
-        &self,
-        sha: &str,
-        lua: &'static str,
-        keys: Vec<Key>,
-        args: Vec<Value>,
-    ) -> Result<Vec<i64>, FredError> {
-        let keys = MultipleKeys::from(keys);
-        let args = Value::Array(args);
-        match self
-            .pool
-            .evalsha::<Vec<i64>, _, _, _>(sha, keys.clone(), args.clone())
-            .await
-        {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                self.pool.eval::<Vec<i64>, _, _, _>(lua, keys, args).await
-            }
-            r => r,
+/// EVALSHA, and EVAL of the whole script if the server has lost it (restart, SCRIPT FLUSH, a
+/// new Cluster node): EVAL caches it again.
+async fn eval<R: fred::types::FromValue>(
+    pool: &Pool,
+    sha: &str,
+    lua: &'static str,
+    keys: Vec<Key>,
+    args: Vec<Value>,
+) -> Result<R, FredError> {
+    let keys = MultipleKeys::from(keys);
+    let args = Value::Array(args);
+    match pool
+        .evalsha::<R, _, _, _>(sha, keys.clone(), args.clone())
+        .await
+    {
+        Err(e) if e.details().starts_with("NOSCRIPT") => {
+            pool.eval::<R, _, _, _>(lua, keys, args).await
         }
-    }
-
-    async fn eval_value(
-        &self,
-        sha: &str,
-        lua: &'static str,
-        keys: Vec<Key>,
-        args: Vec<Value>,
-    ) -> Result<Value, FredError> {
-        let keys = MultipleKeys::from(keys);
-        let args = Value::Array(args);
-        match self
-            .pool
-            .evalsha::<Value, _, _, _>(sha, keys.clone(), args.clone())
-            .await
-        {
-            Err(e) if e.details().starts_with("NOSCRIPT") => {
-                self.pool.eval::<Value, _, _, _>(lua, keys, args).await
-            }
-            r => r,
-        }
+        r => r,
     }
 }
 

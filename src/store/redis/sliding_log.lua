@@ -141,7 +141,10 @@ end
 
 -- Taking the cost back out of the entry logged at ref_t is exact; once it has left the
 -- window, it no longer matters.
-REFUNDS['sliding_log'] = function(key, limit, window, cost, horizon, token, ref_b, ref_t, sec, nsec)
+REFUNDS['sliding_log'] = function(key, limit, window, cost, horizon, token, ref_b, ref_t, sec, nsec, settle)
+  if settle then
+    return
+  end
   local all = redis.call('LRANGE', key, 0, -1)
   if #all < 5 then
     return

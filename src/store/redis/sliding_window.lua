@@ -87,7 +87,10 @@ end
 
 -- The counts are linear: the cost went into the window that started at ref_t; it is in `cur`
 -- while that window lasts, in `prev` during the next one, and forgotten after.
-REFUNDS['sliding_window'] = function(key, limit, window, cost, horizon, token, ref_b, ref_t, sec, now)
+REFUNDS['sliding_window'] = function(key, limit, window, cost, horizon, token, ref_b, ref_t, sec, now, settle)
+  if settle then
+    return
+  end
   local s = load_hash(key, sec, horizon, { 'start', 'prev', 'cur' })
   if s == nil then
     return

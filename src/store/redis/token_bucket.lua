@@ -28,9 +28,9 @@ ALGORITHMS['token_bucket'] = function(key, limit, interval, cost, horizon, sec, 
   return d, function(slack, token)
     local capacity = limit * interval
     -- The theoretical arrival time before this write, for the pending refunds.
-    local p = s and pending_absorb(s.p, last + capacity - credit, now, sec)
+    local p = s and pending_absorb(s.p, last + capacity - credit, now, now_ms(sec, now))
     if token ~= '' then
-      p = pending_add(p, token, cost * interval, sec)
+      p = pending_add(p, token, cost * interval, now_ms(sec, now))
     end
     local ttl = ttl_ms(new[2] + (capacity - new[1]) - now, slack)
     store_hash(key, sec, p, s and s.p, ttl, 'credit', int(new[1]), 'last', int(new[2]))
@@ -38,14 +38,15 @@ ALGORITHMS['token_bucket'] = function(key, limit, interval, cost, horizon, sec, 
   end
 end
 
-REFUNDS['token_bucket'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now)
+REFUNDS['token_bucket'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now, settle)
   local s = load_hash(key, sec, horizon, { 'credit', 'last' })
   if s == nil then
     return
   end
-  local delta, p = pending_take(s.p, token)
-  if delta == 0 then
-    return
+  local delta, p = pending_take(s.p, token, settle)
+  if settle then
+    -- The call was admitted everywhere: only forget how to refund it.
+    delta = 0
   end
   -- Credit above the capacity is capped when read, like a theoretical arrival time in the past.
   redis.call('HSET', key, 'b', int(sec), 'credit', int(s.credit + delta), 'last', int(s.last - s.shift))

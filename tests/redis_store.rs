@@ -1,0 +1,215 @@
+//! The Redis store on a single node: hostile keys, expiries, script reloads, the deny cache,
+//! and the errors it reports.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::Duration;
+
+use tollgate::store::redis::{RedisStore, UnsupportedPolicy};
+use tollgate::{Check, Policy, Rate, StoreError};
+
+fn all_algorithms() -> Vec<Policy> {
+    let day = Duration::from_secs(86_400);
+    vec![
+        Policy::fixed_window(1, day).unwrap(),
+        Policy::sliding_window(1, day).unwrap(),
+        Policy::sliding_log(1, day).unwrap(),
+        Policy::token_bucket(Rate::per_hour(1), 1).unwrap(),
+        Policy::leaky_bucket(Rate::per_hour(1), 1).unwrap(),
+        Policy::gcra(Rate::per_hour(1), 1).unwrap(),
+    ]
+}
+
+#[tokio::test]
+async fn hostile_keys_stay_in_their_namespace_and_every_key_expires() {
+    let server = redis_or_skip!();
+    let store = RedisStore::builder()
+        .url(server.url())
+        .prefix("hostile:")
+        .connect()
+        .await
+        .unwrap();
+    let long = "k".repeat(20 * 1024);
+    let longer = format!("{long}k");
+    let keys: Vec<&str> = vec![
+        "{slot}",
+        "a}b{c",
+        "{}",
+        "line\nbreak",
+        "line\nbreak\n",
+        "\r\n*3\r\n$3\r\nDEL\r\n",
+        "tab\there",
+        "ключ🔑",
+        "%7B",
+        "{",
+        "#deadbeef",
+        "",
+        " ",
+        "a",
+        "a:fw:0000000000000000:a",
+        &long,
+        &longer,
+    ];
+    let policies = all_algorithms();
+    for p in &policies {
+        for k in &keys {
+            assert!(store.check(k, p, 1).await.unwrap().allowed(), "{k:?} {p:?}");
+        }
+        // Each key has its own state: the second request of every key is the one rejected.
+        for k in &keys {
+            assert!(
+                !store.check(k, p, 1).await.unwrap().allowed(),
+                "{k:?} {p:?}"
+            );
+        }
+    }
+    let written = support::keys_with_ttl(&server);
+    assert_eq!(written.len(), keys.len() * policies.len());
+    for (name, ttl) in &written {
+        assert!(name.starts_with("hostile:{"), "{name}");
+        assert_eq!(name.matches('{').count(), 1, "{name}");
+        assert_eq!(name.matches('}').count(), 1, "{name}");
+        assert!(name.len() < 160, "{} bytes: {name}", name.len());
+        assert!(name.bytes().all(|b| (0x21..=0x7e).contains(&b)), "{name:?}");
+        assert!(*ttl > 0, "{name} has no expiry ({ttl})");
+    }
+    // The hash tag is ours (a digest): the user text cannot pick the slot.
+    let name = store.key_name("{slot}", &policies[0]);
+    let tag = &name[name.find('{').unwrap() + 1..name.find('}').unwrap()];
+    assert_eq!(tag.len(), 16);
+    assert!(tag.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
+}
+
+#[tokio::test]
+async fn rejections_write_nothing_and_expiries_follow_recovery() {
+    let server = redis_or_skip!();
+    let store = RedisStore::builder()
+        .url(server.url())
+        .ttl_slack(Duration::ZERO)
+        .connect()
+        .await
+        .unwrap();
+    let p = Policy::gcra(Rate::per_second(1), 2).unwrap();
+    let d = store.check("k", &p, 1).await.unwrap();
+    assert!(d.allowed());
+    let name = store.key_name("k", &p);
+    let ttl: i64 = server.cli(&["PTTL", &name]).trim().parse().unwrap();
+    assert!(ttl > 0 && ttl <= 1000, "{ttl}");
+    // A rejected request on a fresh key writes no key at all.
+    let big = Policy::fixed_window(3, Duration::from_secs(60)).unwrap();
+    let other = Policy::fixed_window(1, Duration::from_secs(60)).unwrap();
+    let before = support::keys_with_ttl(&server).len();
+    let d = store
+        .check_all(&[
+            Check::new("x", &big, 1),
+            Check::new("y", &other, 1),
+            Check::new("y", &other, 1),
+        ])
+        .await;
+    assert!(
+        matches!(d, Err(StoreError::CostExceedsLimit { index: 2, .. })),
+        "{d:?}"
+    );
+    assert_eq!(support::keys_with_ttl(&server).len(), before);
+    assert!(store.check("y", &other, 1).await.unwrap().allowed());
+    let d = store
+        .check_all(&[Check::new("x", &big, 1), Check::new("y", &other, 1)])
+        .await
+        .unwrap();
+    assert!(!d.allowed() && d.index() == 1);
+    // All or nothing: "x" paid nothing.
+    assert_eq!(support::keys_with_ttl(&server).len(), before + 1);
+}
+
+#[tokio::test]
+async fn scripts_are_reloaded_after_script_flush() {
+    let server = redis_or_skip!();
+    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let p = Policy::fixed_window(2, Duration::from_secs(3600)).unwrap();
+    assert!(store.check("k", &p, 1).await.unwrap().allowed());
+    assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+    assert!(store.check("k", &p, 1).await.unwrap().allowed());
+    assert!(!store.check("k", &p, 1).await.unwrap().allowed());
+}
+
+#[tokio::test]
+async fn the_deny_cache_keeps_rejected_floods_off_redis() {
+    let server = redis_or_skip!();
+    let store = RedisStore::builder()
+        .url(server.url())
+        .deny_cache(1000)
+        .connect()
+        .await
+        .unwrap();
+    let p = Policy::gcra(Rate::per_hour(1), 1).unwrap();
+    assert!(store.check("k", &p, 1).await.unwrap().allowed());
+    let first = store.check("k", &p, 1).await.unwrap();
+    assert!(!first.allowed());
+    let calls = || {
+        let stats = server.cli(&["INFO", "commandstats"]);
+        stats
+            .lines()
+            .find(|l| l.starts_with("cmdstat_evalsha:"))
+            .and_then(|l| l.split("calls=").nth(1))
+            .and_then(|s| s.split(',').next())
+            .and_then(|s| s.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let before = calls();
+    for _ in 0..1000 {
+        let d = store.check("k", &p, 1).await.unwrap();
+        assert!(!d.allowed());
+        assert!(d.retry_after() <= first.retry_after());
+    }
+    assert_eq!(calls(), before, "rejected requests went to Redis");
+    assert_eq!(store.deny_cache_len(), 1);
+    // Other keys still go to Redis.
+    assert!(store.check("other", &p, 1).await.unwrap().allowed());
+    assert_eq!(calls(), before + 1);
+}
+
+#[tokio::test]
+async fn invalid_checks_are_errors_not_rejections() {
+    let server = redis_or_skip!();
+    let store = RedisStore::builder()
+        .url(server.url())
+        .max_key_len(100)
+        .connect()
+        .await
+        .unwrap();
+    let year = Policy::fixed_window(10, Duration::from_secs(365 * 86_400)).unwrap();
+    match store.check("k", &year, 1).await {
+        Err(StoreError::Backend(e)) => {
+            let e = e
+                .downcast_ref::<UnsupportedPolicy>()
+                .expect("UnsupportedPolicy");
+            assert_eq!(e.what, "horizon (ns)");
+        }
+        other => panic!("{other:?}"),
+    }
+    let p = Policy::gcra(Rate::per_second(1), 3).unwrap();
+    assert!(matches!(
+        store.check("k", &p, 4).await,
+        Err(StoreError::CostExceedsLimit { .. })
+    ));
+    assert!(matches!(
+        store.check(&"x".repeat(101), &p, 1).await,
+        Err(StoreError::KeyTooLong {
+            len: 101,
+            max: 100,
+            ..
+        })
+    ));
+    let empty = store.check_all(&[]).await.unwrap();
+    assert!(empty.allowed());
+    assert!(
+        RedisStore::builder()
+            .url(server.url())
+            .prefix("bad{")
+            .connect()
+            .await
+            .is_err(),
+        "a prefix with braces could pick the slot"
+    );
+}
