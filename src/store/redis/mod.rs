@@ -137,6 +137,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use fred::bytes_utils::Str;
 use fred::clients::Pool;
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
@@ -169,15 +170,29 @@ pub const DEFAULT_POOL_SIZE: usize = 4;
 /// The default longest key, in bytes (longer escaped keys are hashed; this bounds the work).
 pub const DEFAULT_MAX_KEY_LEN: usize = 64 * 1024;
 
-const CHECK_LUA: &str = concat!(
-    include_str!("common.lua"),
-    include_str!("gcra.lua"),
-    include_str!("token_bucket.lua"),
-    include_str!("leaky_bucket.lua"),
-    include_str!("fixed_window.lua"),
-    include_str!("sliding_window.lua"),
-    include_str!("sliding_log.lua"),
-    include_str!("check.lua"),
+/// The check script for calls whose checks all run one algorithm: only that algorithm's code,
+/// so that each call defines as few Lua functions as it can.
+macro_rules! check_script {
+    ($($file:literal),*) => {
+        concat!(include_str!("common.lua"), $(include_str!($file),)* include_str!("check.lua"))
+    };
+}
+
+const GCRA_LUA: &str = check_script!("gcra.lua");
+const TOKEN_BUCKET_LUA: &str = check_script!("token_bucket.lua");
+const LEAKY_BUCKET_LUA: &str = check_script!("leaky_bucket.lua");
+const FIXED_WINDOW_LUA: &str = check_script!("arith.lua", "fixed_window.lua");
+const SLIDING_WINDOW_LUA: &str = check_script!("arith.lua", "sliding_window.lua");
+const SLIDING_LOG_LUA: &str = check_script!("sliding_log.lua");
+/// Every algorithm, for stacked checks that mix them.
+const MIXED_LUA: &str = check_script!(
+    "arith.lua",
+    "gcra.lua",
+    "token_bucket.lua",
+    "leaky_bucket.lua",
+    "fixed_window.lua",
+    "sliding_window.lua",
+    "sliding_log.lua"
 );
 
 const REFUND_LUA: &str = concat!(
@@ -190,6 +205,73 @@ const REFUND_LUA: &str = concat!(
     include_str!("sliding_log.lua"),
     include_str!("refund.lua"),
 );
+
+/// A script and its SHA-1.
+#[derive(Clone, Debug)]
+struct Lua {
+    text: &'static str,
+    sha: String,
+}
+
+impl Lua {
+    fn new(text: &'static str) -> Self {
+        Self {
+            text,
+            sha: Script::from_lua(text).sha1().to_string(),
+        }
+    }
+}
+
+/// Every script the store runs.
+#[derive(Debug)]
+struct Scripts {
+    /// Indexed by [`algorithm_slot`].
+    single: [Lua; 6],
+    mixed: Lua,
+    refund: Lua,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            single: [
+                Lua::new(FIXED_WINDOW_LUA),
+                Lua::new(SLIDING_LOG_LUA),
+                Lua::new(SLIDING_WINDOW_LUA),
+                Lua::new(TOKEN_BUCKET_LUA),
+                Lua::new(LEAKY_BUCKET_LUA),
+                Lua::new(GCRA_LUA),
+            ],
+            mixed: Lua::new(MIXED_LUA),
+            refund: Lua::new(REFUND_LUA),
+        }
+    }
+
+    fn all(&self) -> impl Iterator<Item = &Lua> {
+        self.single.iter().chain([&self.mixed, &self.refund])
+    }
+
+    /// The script for a call on these items.
+    fn check(&self, items: &[&Item]) -> &Lua {
+        match items.split_first() {
+            Some((first, rest)) if rest.iter().all(|it| it.algorithm == first.algorithm) => {
+                &self.single[algorithm_slot(first.algorithm)]
+            }
+            _ => &self.mixed,
+        }
+    }
+}
+
+fn algorithm_slot(name: &str) -> usize {
+    match name {
+        "fixed_window" => 0,
+        "sliding_log" => 1,
+        "sliding_window" => 2,
+        "token_bucket" => 3,
+        "leaky_bucket" => 4,
+        _ => 5,
+    }
+}
 
 /// Limiter state on Redis, shared by every instance that connects to the same server.
 ///
@@ -206,13 +288,12 @@ struct Inner {
     names: KeyNames,
     max_key_len: usize,
     timeout: Duration,
-    slack_ms: u64,
+    slack_arg: Str,
     injected: Option<Arc<dyn Clock>>,
     local: Arc<dyn Clock>,
     deny: Option<DenyCache>,
     deny_hasher: foldhash::fast::RandomState,
-    check_sha: String,
-    refund_sha: String,
+    scripts: Scripts,
     instance: u64,
     tokens: AtomicU64,
 }
@@ -332,6 +413,13 @@ impl RedisStore {
     /// How many rejections the deny cache holds (0 without a deny cache).
     pub fn deny_cache_len(&self) -> usize {
         self.inner.deny.as_ref().map_or(0, DenyCache::len)
+    }
+
+    /// The SHA-1 of the script that a check of `algorithm` runs, as `EVALSHA` takes it (to
+    /// benchmark the script alone with `redis-benchmark`, say). Its arguments are described at
+    /// the top of `src/store/redis/check.lua`.
+    pub fn check_script_sha(&self, algorithm: Algorithm) -> &str {
+        &self.inner.scripts.single[algorithm_slot(algorithm.as_str())].sha
     }
 
     /// Whether the store talks to a Redis Cluster.
@@ -510,7 +598,10 @@ impl Inner {
         let mut items = SmallVec::new();
         for (check, index) in merged {
             let key = self.names.name(check.key(), check.policy());
-            let deny_hash = self.deny_hasher.hash_one(&key);
+            let deny_hash = match &self.deny {
+                Some(_) => self.deny_hasher.hash_one(&key),
+                None => 0,
+            };
             if let Some(deny) = &self.deny {
                 if let Some(d) = deny.get(deny_hash, check.cost(), local_now) {
                     return Ok(Prepared::Done(d.with_index(index)));
@@ -552,10 +643,17 @@ impl Inner {
         }
     }
 
-    fn time_args(&self, call: &Call) -> [String; 3] {
+    /// The first three script arguments: the time (injected, or empty for Redis `TIME`) and
+    /// the TTL slack.
+    fn time_args(&self, call: &Call) -> [Value; 3] {
+        let slack = Value::String(self.slack_arg.clone());
         match call.time {
-            Some((s, n)) => [s.to_string(), n.to_string(), self.slack_ms.to_string()],
-            None => [String::new(), "0".into(), self.slack_ms.to_string()],
+            Some((s, n)) => [
+                Value::from(s.to_string()),
+                Value::from(n.to_string()),
+                slack,
+            ],
+            None => [static_str(""), static_str("0"), slack],
         }
     }
 
@@ -626,9 +724,9 @@ impl Inner {
                 if let Ok(a) = r {
                     if g.tokens.iter().any(|t| !t.is_empty()) {
                         let (keys, args) = self.refund_args(call, g, a, "settle");
-                        let (pool, sha) = (self.pool.clone(), self.refund_sha.clone());
+                        let (pool, lua) = (self.pool.clone(), self.scripts.refund.clone());
                         tokio::spawn(async move {
-                            let _ = eval::<Value>(&pool, &sha, REFUND_LUA, keys, args).await;
+                            let _ = eval::<Value>(&pool, &lua, keys, args).await;
                         });
                     }
                 }
@@ -638,13 +736,7 @@ impl Inner {
             let refunds = groups.iter().zip(&results).filter_map(|(g, r)| match r {
                 Ok(a) if a.admitted => {
                     let (keys, args) = self.refund_args(call, g, a, "refund");
-                    Some(eval::<Value>(
-                        &self.pool,
-                        &self.refund_sha,
-                        REFUND_LUA,
-                        keys,
-                        args,
-                    ))
+                    Some(eval::<Value>(&self.pool, &self.scripts.refund, keys, args))
                 }
                 _ => None,
             });
@@ -656,16 +748,16 @@ impl Inner {
     async fn consume(&self, call: &Call, group: &Group<'_>) -> Result<Answer, StoreError> {
         let keys: Vec<Key> = group.items.iter().map(|it| Key::from(&*it.key)).collect();
         let mut args: Vec<Value> = Vec::with_capacity(3 + 6 * group.items.len());
-        args.extend(self.time_args(call).map(Value::from));
+        args.extend(self.time_args(call));
         for (it, token) in group.items.iter().zip(&group.tokens) {
-            args.push(Value::from(it.algorithm));
+            args.push(static_str(it.algorithm));
             args.push(Value::from(it.limit.to_string()));
             args.push(Value::from(it.period.to_string()));
             args.push(Value::from(it.cost.to_string()));
             args.push(Value::from(it.horizon.to_string()));
             args.push(Value::from(token.as_str()));
         }
-        let out = eval::<Vec<i64>>(&self.pool, &self.check_sha, CHECK_LUA, keys, args)
+        let out = eval::<Vec<i64>>(&self.pool, self.scripts.check(&group.items), keys, args)
             .await
             .map_err(|e| backend_error(&e, self.timeout))?;
         if out.len() != 1 + 6 * group.items.len() {
@@ -702,11 +794,11 @@ impl Inner {
         let keys: Vec<Key> = group.items.iter().map(|it| Key::from(&*it.key)).collect();
         let mut args: Vec<Value> = Vec::with_capacity(3 + 8 * group.items.len());
         let [sec, nsec, _] = self.time_args(call);
-        args.extend([Value::from(sec), Value::from(nsec), Value::from(mode)]);
+        args.extend([sec, nsec, static_str(mode)]);
         for ((it, token), (_, ref_b, ref_t)) in
             group.items.iter().zip(&group.tokens).zip(&answer.decisions)
         {
-            args.push(Value::from(it.algorithm));
+            args.push(static_str(it.algorithm));
             args.push(Value::from(it.limit.to_string()));
             args.push(Value::from(it.period.to_string()));
             args.push(Value::from(it.cost.to_string()));
@@ -719,23 +811,27 @@ impl Inner {
     }
 }
 
+/// A constant argument, without copying it.
+fn static_str(s: &'static str) -> Value {
+    Value::String(Str::from_static(s))
+}
+
 /// EVALSHA, and EVAL of the whole script if the server has lost it (restart, SCRIPT FLUSH, a
 /// new Cluster node): EVAL caches it again.
 async fn eval<R: fred::types::FromValue>(
     pool: &Pool,
-    sha: &str,
-    lua: &'static str,
+    lua: &Lua,
     keys: Vec<Key>,
     args: Vec<Value>,
 ) -> Result<R, FredError> {
     let keys = MultipleKeys::from(keys);
     let args = Value::Array(args);
     match pool
-        .evalsha::<R, _, _, _>(sha, keys.clone(), args.clone())
+        .evalsha::<R, _, _, _>(lua.sha.as_str(), keys.clone(), args.clone())
         .await
     {
         Err(e) if e.details().starts_with("NOSCRIPT") => {
-            pool.eval::<R, _, _, _>(lua, keys, args).await
+            pool.eval::<R, _, _, _>(lua.text, keys, args).await
         }
         r => r,
     }
@@ -945,13 +1041,12 @@ impl RedisStoreBuilder {
                 return Err(StoreError::Timeout(connect_timeout));
             }
         }
-        let check = Script::from_lua(CHECK_LUA);
-        let refund = Script::from_lua(REFUND_LUA);
-        for lua in [CHECK_LUA, REFUND_LUA] {
+        let scripts = Scripts::new();
+        for lua in scripts.all() {
             let loaded = if clustered {
-                pool.next().script_load_cluster::<Value, _>(lua).await
+                pool.next().script_load_cluster::<Value, _>(lua.text).await
             } else {
-                pool.next().script_load::<Value, _>(lua).await
+                pool.next().script_load::<Value, _>(lua.text).await
             };
             loaded.map_err(|e| backend_error(&e, timeout))?;
         }
@@ -971,13 +1066,17 @@ impl RedisStoreBuilder {
                 },
                 max_key_len: self.max_key_len,
                 timeout,
-                slack_ms: u64::try_from(self.ttl_slack.as_millis()).unwrap_or(u64::MAX),
+                slack_arg: Str::from(
+                    self.ttl_slack
+                        .as_millis()
+                        .min(u128::from(u64::MAX))
+                        .to_string(),
+                ),
                 injected: self.injected,
                 local,
                 deny: (self.deny_cache > 0).then(|| DenyCache::new(self.deny_cache)),
                 deny_hasher: hasher,
-                check_sha: check.sha1().to_string(),
-                refund_sha: refund.sha1().to_string(),
+                scripts,
                 instance,
                 tokens: AtomicU64::new(0),
             }),

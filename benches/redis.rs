@@ -1,0 +1,247 @@
+//! The Redis store under load, beside the ceiling of the same script run by `redis-benchmark`.
+//!
+//! `cargo bench --features redis --bench redis` starts its own `redis-server` on a free
+//! loopback port and prints, in about a minute:
+//! - decisions per second and p50/p99 latency for 1 and 64 concurrent callers, on one hot key
+//!   and over 100k keys, for GCRA and the token bucket;
+//! - `redis-benchmark` EVALSHA of the same script (`-P 16`, 64 clients): the ceiling;
+//! - a flood of rejected requests with the deny cache: how many reach Redis;
+//! - `MEMORY USAGE` per tracked key for each algorithm.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tollgate::clock::{Clock, SystemClock};
+use tollgate::store::redis::RedisStore;
+use tollgate::{Policy, Rate};
+
+const RUN: Duration = Duration::from_secs(3);
+const KEYS: u64 = 100_000;
+
+struct Figures {
+    per_sec: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+async fn load(store: &RedisStore, policy: &Policy, callers: usize, spread: bool) -> Figures {
+    let clock = Arc::new(SystemClock::new());
+    let end = clock.now() + RUN.as_nanos() as u64;
+    let tasks: Vec<_> = (0..callers)
+        .map(|c| {
+            let (store, policy, clock) = (store.clone(), policy.clone(), clock.clone());
+            tokio::spawn(async move {
+                let mut lat = Vec::with_capacity(200_000);
+                let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ c as u64;
+                while clock.now() < end {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let key = if spread {
+                        format!("k{}", x % KEYS)
+                    } else {
+                        "hot".to_owned()
+                    };
+                    let t = clock.now();
+                    store.check(&key, &policy, 1).await.expect("check");
+                    lat.push(clock.now() - t);
+                }
+                lat
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    for t in tasks {
+        lat.extend(t.await.expect("task"));
+    }
+    lat.sort_unstable();
+    let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)] as f64 / 1000.0;
+    Figures {
+        per_sec: lat.len() as f64 / RUN.as_secs_f64(),
+        p50_us: pct(0.50),
+        p99_us: pct(0.99),
+    }
+}
+
+/// `redis-benchmark` EVALSHA of the check script, 64 clients, pipeline 16.
+fn ceiling(port: u16, sha: &str, policy: &Policy, spread: bool) -> f64 {
+    let algorithm = policy.algorithm().as_str();
+    let key = if spread {
+        "bench:{__rand_int__}"
+    } else {
+        "bench:{hot}"
+    };
+    let period = policy.interval().as_nanos().to_string();
+    let horizon = policy.window().as_nanos().to_string();
+    let limit = policy.limit().to_string();
+    let out = Command::new("redis-benchmark")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args([
+            "-c",
+            "64",
+            "-P",
+            "16",
+            "-n",
+            "400000",
+            "-r",
+            &KEYS.to_string(),
+            "-q",
+        ])
+        .args([
+            "EVALSHA", sha, "1", key, "", "0", "1000", algorithm, &limit, &period, "1", &horizon,
+            "",
+        ])
+        .output()
+        .expect("redis-benchmark");
+    let text = String::from_utf8_lossy(&out.stdout);
+    // "EVALSHA ...: 143000.00 requests per second, p50=..."
+    text.rsplit('\r')
+        .chain(text.lines())
+        .find_map(|l| {
+            let (_, rest) = l.split_once(": ")?;
+            rest.split_whitespace().next()?.parse::<f64>().ok()
+        })
+        .unwrap_or(f64::NAN)
+}
+
+fn evalsha_calls(server: &support::RedisServer) -> u64 {
+    server
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .and_then(|l| l.split("calls=").nth(1))
+        .and_then(|s| s.split(',').next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+fn memory_usage(server: &support::RedisServer, name: &str) -> u64 {
+    server
+        .cli(&["MEMORY", "USAGE", name, "SAMPLES", "0"])
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+fn main() {
+    let Some(server) = support::RedisServer::start() else {
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let pool: usize = std::env::var("TOLLGATE_BENCH_POOL").ok().and_then(|p| p.parse().ok()).unwrap_or(tollgate::store::redis::DEFAULT_POOL_SIZE);
+        let store = RedisStore::builder()
+            .url(server.url())
+            .pool_size(pool)
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .expect("connect");
+        println!("pool size {pool}");
+        // Large bursts, so that the load measures admissions, not rejections.
+        let gcra = Policy::gcra(Rate::per_second(1_000_000), 1_000_000).expect("policy");
+        let bucket = Policy::token_bucket(Rate::per_second(1_000_000), 1_000_000).expect("policy");
+        println!("redis-server {}", server.cli(&["INFO", "server"]).lines().find(|l| l.starts_with("redis_version")).unwrap_or("?").trim());
+        println!();
+        println!("| algorithm | keys | callers | decisions/s | p50 | p99 | redis-benchmark EVALSHA -P 16 | share |");
+        println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let only_load = std::env::var("TOLLGATE_BENCH_QUICK").is_ok();
+        for policy in [&gcra, &bucket] {
+            let name = policy.algorithm().as_str();
+            let sha = store.check_script_sha(policy.algorithm());
+            for spread in [false, true] {
+                let top = ceiling(server.port, sha, policy, spread);
+                for callers in [1, 64] {
+                    let f = load(&store, policy, callers, spread).await;
+                    let keys = if spread { "100k" } else { "1 (hot)" };
+                    let share = if callers == 64 { format!("{:.0}%", 100.0 * f.per_sec / top) } else { "".into() };
+                    println!(
+                        "| {name} | {keys} | {callers} | {:.0} | {:.0} µs | {:.0} µs | {top:.0}/s | {share} |",
+                        f.per_sec, f.p50_us, f.p99_us
+                    );
+                }
+            }
+        }
+
+        if only_load {
+            return;
+        }
+        // A flood of rejected requests on one key, with and without the deny cache.
+        let tight = Policy::gcra(Rate::per_hour(1), 1).expect("policy");
+        for cache in [0usize, 10_000] {
+            let s = RedisStore::builder()
+                .url(server.url())
+                .deny_cache(cache)
+                .timeout(Duration::from_secs(5))
+                .prefix(format!("flood{cache}:"))
+                .connect()
+                .await
+                .expect("connect");
+            s.check("flood", &tight, 1).await.expect("check");
+            let before = evalsha_calls(&server);
+            let clock = SystemClock::new();
+            let t = clock.now();
+            let n = 200_000u64;
+            let tasks: Vec<_> = (0..64)
+                .map(|_| {
+                    let (s, p) = (s.clone(), tight.clone());
+                    tokio::spawn(async move {
+                        for _ in 0..n / 64 {
+                            assert!(!s.check("flood", &p, 1).await.expect("check").allowed());
+                        }
+                    })
+                })
+                .collect();
+            for task in tasks {
+                task.await.expect("task");
+            }
+            let secs = (clock.now() - t) as f64 / 1e9;
+            let calls = evalsha_calls(&server) - before;
+            println!(
+                "\nrejected flood, 64 callers, deny cache {}: {:.0} decisions/s, {} of {} reached Redis",
+                if cache > 0 { "on" } else { "off" },
+                (n / 64 * 64) as f64 / secs,
+                calls,
+                n / 64 * 64
+            );
+        }
+
+        // Memory per tracked key.
+        println!("\n| algorithm | MEMORY USAGE per key |");
+        println!("| --- | ---: |");
+        let day = Duration::from_secs(86_400);
+        let cases = [
+            ("fixed_window", Policy::fixed_window(100, day).expect("policy"), 1),
+            ("sliding_window", Policy::sliding_window(100, day).expect("policy"), 1),
+            ("token_bucket", Policy::token_bucket(Rate::per_second(10), 100).expect("policy"), 1),
+            ("leaky_bucket", Policy::leaky_bucket(Rate::per_second(10), 100).expect("policy"), 1),
+            ("gcra", Policy::gcra(Rate::per_second(10), 100).expect("policy"), 1),
+            ("sliding_log, 1 entry", Policy::sliding_log(100, day).expect("policy"), 1),
+            ("sliding_log, 10 entries", Policy::sliding_log(100, day).expect("policy"), 10),
+            ("sliding_log, 100 entries (full)", Policy::sliding_log(100, day).expect("policy"), 100),
+        ];
+        for (n, (name, policy, entries)) in cases.iter().enumerate() {
+            let mut total = 0;
+            for i in 0..100 {
+                let key = format!("mem{n}:user:{i}");
+                for _ in 0..*entries {
+                    store.check(&key, policy, 1).await.expect("check");
+                    if *entries > 1 {
+                        // Distinct times: one log entry each.
+                        tokio::time::sleep(Duration::from_micros(50)).await;
+                    }
+                }
+                total += memory_usage(&server, &store.key_name(&key, policy));
+            }
+            println!("| {name} | {} B |", total / 100);
+        }
+    });
+}
