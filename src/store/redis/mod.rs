@@ -298,6 +298,19 @@ struct Inner {
     tokens: AtomicU64,
 }
 
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The last clone is gone: close the connections (and stop reconnecting) in the
+        // background, if there is still a runtime to do it on.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let pool = self.pool.clone();
+            runtime.spawn(async move {
+                let _ = pool.quit().await;
+            });
+        }
+    }
+}
+
 /// A policy the Redis store cannot run exactly (see [`RedisStore::supports`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnsupportedPolicy {
