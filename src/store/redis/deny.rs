@@ -12,6 +12,8 @@ const SHARDS: usize = 16;
 struct Entry {
     /// Local time (ns) until which a request of at least `cost` is rejected.
     until: u64,
+    /// Local time (ns) after which Redis is asked again (at most `until`).
+    expires: u64,
     /// When the decision was received (local ns), to age its `reset_after`.
     at: u64,
     cost: u64,
@@ -19,17 +21,21 @@ struct Entry {
 }
 
 /// Bounded: at most `capacity` entries; when full, expired entries are dropped and, if none
-/// were, the new entry is not kept (a cache miss only costs a round trip).
+/// were, the new entry is not kept (a cache miss only costs a round trip). An entry answers for
+/// at most `max_age`, so that a rejection caused by a passing state (a cross-slot consumption
+/// about to be refunded) does not stick.
 pub(crate) struct DenyCache {
     shards: Box<[Mutex<HashMap<u64, Entry>>]>,
     per_shard: usize,
+    max_age: u64,
 }
 
 impl DenyCache {
-    pub(crate) fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize, max_age: u64) -> Self {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             per_shard: capacity.div_ceil(SHARDS).max(1),
+            max_age,
         }
     }
 
@@ -42,7 +48,7 @@ impl DenyCache {
     pub(crate) fn get(&self, hash: u64, cost: u64, now: u64) -> Option<Decision> {
         let mut shard = self.shard(hash).lock();
         let e = *shard.get(&hash)?;
-        if now >= e.until {
+        if now >= e.expires {
             shard.remove(&hash);
             return None;
         }
@@ -67,12 +73,13 @@ impl DenyCache {
             return;
         };
         let until = sent.saturating_add(u64::try_from(retry.as_nanos()).unwrap_or(u64::MAX));
-        if until <= now {
+        let expires = until.min(sent.saturating_add(self.max_age));
+        if expires <= now {
             return;
         }
         let mut shard = self.shard(hash).lock();
         if shard.len() >= self.per_shard && !shard.contains_key(&hash) {
-            shard.retain(|_, e| e.until > now);
+            shard.retain(|_, e| e.expires > now);
             if shard.len() >= self.per_shard {
                 return;
             }
@@ -81,6 +88,7 @@ impl DenyCache {
             hash,
             Entry {
                 until,
+                expires,
                 at: now,
                 cost,
                 decision,
@@ -100,12 +108,21 @@ mod tests {
 
     #[test]
     fn answers_until_the_retry_time_and_stays_bounded() {
-        let c = DenyCache::new(16);
+        let c = DenyCache::new(16, u64::MAX);
         let d = Decision::rejected(5, 0, Duration::from_secs(2), Duration::from_secs(1));
         c.insert(7, 1, 100, 150, d);
         let local = c.get(7, 1, 1_000_000_100 - 1).unwrap();
         assert_eq!(local.retry_after(), Some(Duration::from_nanos(1)));
         assert!(c.get(7, 1, 1_000_000_100).is_none());
+        // Capped: after max_age, Redis is asked again, and the wait stays the true one.
+        let c = DenyCache::new(16, 1000);
+        c.insert(7, 1, 0, 0, d);
+        assert_eq!(
+            c.get(7, 1, 999).unwrap().retry_after(),
+            Some(Duration::from_nanos(999_999_001))
+        );
+        assert!(c.get(7, 1, 1000).is_none());
+        let c = DenyCache::new(16, u64::MAX);
         // A cheaper request than the one rejected still goes to Redis.
         c.insert(8, 3, 0, 0, d);
         assert!(c.get(8, 2, 10).is_none());

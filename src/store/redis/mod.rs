@@ -103,7 +103,8 @@
 //!   refunds (a fire-and-forget script call); a pending refund is kept at most 2 s, and at most
 //!   256 per key: beyond that a consumption is simply not refunded.
 //!
-//! If a slot fails, the slots that consumed are refunded and the call returns the error.
+//! If a slot fails, the slots that consumed are refunded and the call returns the error. A call
+//! that times out between consuming and refunding leaves its cost consumed (an over-rejection).
 //!
 //! # Failures
 //!
@@ -119,9 +120,11 @@
 //! Optionally ([`RedisStoreBuilder::deny_cache`]), a rejection is remembered locally: the same
 //! key, policy and an equal or larger cost is answered here, without Redis, until the time the
 //! rejection said to retry (counted from when the call was sent, so never later than Redis
-//! would admit it). A flood of rejected requests then costs Redis almost nothing. The local
-//! answer's `remaining` is the one Redis gave; a refund elsewhere can make Redis admit slightly
-//! earlier than the cache says (an over-rejection, never an over-admission).
+//! would admit it), and for at most [`RedisStoreBuilder::deny_cache_max_age`] (default 1 s).
+//! A flood of rejected requests then costs Redis one call per key and second. The local
+//! answer's `remaining` is the one Redis gave and its `retry_after` the true remaining wait; a
+//! refund elsewhere can make Redis admit slightly earlier than the cache says (an
+//! over-rejection, bounded by the maximum age, never an over-admission).
 
 mod deny;
 mod keys;
@@ -870,6 +873,7 @@ pub struct RedisStoreBuilder {
     timeout: Duration,
     connect_timeout: Duration,
     deny_cache: usize,
+    deny_max_age: Duration,
     max_key_len: usize,
     ttl_slack: Duration,
     injected: Option<Arc<dyn Clock>>,
@@ -885,6 +889,7 @@ impl Default for RedisStoreBuilder {
             timeout: DEFAULT_TIMEOUT,
             connect_timeout: Duration::from_secs(1),
             deny_cache: 0,
+            deny_max_age: Duration::from_secs(1),
             max_key_len: DEFAULT_MAX_KEY_LEN,
             ttl_slack: Duration::from_secs(1),
             injected: None,
@@ -908,6 +913,7 @@ impl fmt::Debug for RedisStoreBuilder {
             .field("timeout", &self.timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("deny_cache", &self.deny_cache)
+            .field("deny_max_age", &self.deny_max_age)
             .field("max_key_len", &self.max_key_len)
             .field("ttl_slack", &self.ttl_slack)
             .finish_non_exhaustive()
@@ -976,6 +982,13 @@ impl RedisStoreBuilder {
     /// retry time (default 0: off). See the module docs.
     pub fn deny_cache(mut self, capacity: usize) -> Self {
         self.deny_cache = capacity;
+        self
+    }
+
+    /// The longest a remembered rejection is answered locally before Redis is asked again,
+    /// even if its retry time is later (default 1 s).
+    pub fn deny_cache_max_age(mut self, max_age: Duration) -> Self {
+        self.deny_max_age = max_age;
         self
     }
 
@@ -1087,7 +1100,10 @@ impl RedisStoreBuilder {
                 ),
                 injected: self.injected,
                 local,
-                deny: (self.deny_cache > 0).then(|| DenyCache::new(self.deny_cache)),
+                deny: (self.deny_cache > 0).then(|| {
+                    let max_age = u64::try_from(self.deny_max_age.as_nanos()).unwrap_or(u64::MAX);
+                    DenyCache::new(self.deny_cache, max_age)
+                }),
                 deny_hasher: hasher,
                 scripts,
                 instance,
