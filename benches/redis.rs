@@ -7,6 +7,9 @@
 //! - `redis-benchmark` EVALSHA of the same script (`-P 16`, 64 clients): the ceiling;
 //! - a flood of rejected requests with the deny cache: how many reach Redis;
 //! - `MEMORY USAGE` per tracked key for each algorithm.
+//!
+//! Knobs: `TOLLGATE_BENCH_POOL` (connections, default 4), `TOLLGATE_BENCH_THREADS` (tokio
+//! workers, default 2), `TOLLGATE_BENCH_QUICK` (only the load figures).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -26,10 +29,31 @@ struct Figures {
     per_sec: f64,
     p50_us: f64,
     p99_us: f64,
+    /// This process's CPU time (user + system) per decision.
+    cpu_us: f64,
+}
+
+/// This process's CPU time so far, in microseconds (Linux `/proc/self/stat`, 100 ticks/s).
+fn cpu_time_us() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) * 10_000.0
 }
 
 async fn load(store: &RedisStore, policy: &Policy, callers: usize, spread: bool) -> Figures {
     let clock = Arc::new(SystemClock::new());
+    let cpu = cpu_time_us();
     let end = clock.now() + RUN.as_nanos() as u64;
     let tasks: Vec<_> = (0..callers)
         .map(|c| {
@@ -64,6 +88,78 @@ async fn load(store: &RedisStore, policy: &Policy, callers: usize, spread: bool)
         per_sec: lat.len() as f64 / RUN.as_secs_f64(),
         p50_us: pct(0.50),
         p99_us: pct(0.99),
+        cpu_us: (cpu_time_us() - cpu) / lat.len() as f64,
+    }
+}
+
+/// The same script through fred alone (a pool of the same size, 64 tasks, fixed arguments):
+/// what the store costs beyond the client it runs on.
+async fn fred_alone(
+    url: &str,
+    pool_size: usize,
+    sha: &str,
+    policy: &Policy,
+    spread: bool,
+) -> Figures {
+    use fred::prelude::*;
+    let config = Config::from_url(url).expect("url");
+    let pool = Builder::from_config(config)
+        .build_pool(pool_size)
+        .expect("pool");
+    pool.init().await.expect("connect");
+    let args: Vec<String> = vec![
+        String::new(),
+        "0".into(),
+        "1000".into(),
+        policy.algorithm().as_str().into(),
+        policy.limit().to_string(),
+        policy.interval().as_nanos().to_string(),
+        "1".into(),
+        policy.window().as_nanos().to_string(),
+        String::new(),
+    ];
+    let clock = Arc::new(SystemClock::new());
+    let cpu = cpu_time_us();
+    let end = clock.now() + RUN.as_nanos() as u64;
+    let tasks: Vec<_> = (0..64u64)
+        .map(|c| {
+            let (pool, clock, sha, args) =
+                (pool.clone(), clock.clone(), sha.to_owned(), args.clone());
+            tokio::spawn(async move {
+                let mut lat = Vec::with_capacity(200_000);
+                let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ c;
+                while clock.now() < end {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let key = if spread {
+                        format!("fred:{{{}}}", x % KEYS)
+                    } else {
+                        "fred:{hot}".to_owned()
+                    };
+                    let t = clock.now();
+                    let _: Vec<i64> = pool
+                        .evalsha(sha.as_str(), key, args.clone())
+                        .await
+                        .expect("evalsha");
+                    lat.push(clock.now() - t);
+                }
+                lat
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    for t in tasks {
+        lat.extend(t.await.expect("task"));
+    }
+    let _ = pool.quit().await;
+    lat.sort_unstable();
+    let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)] as f64 / 1000.0;
+    Figures {
+        per_sec: lat.len() as f64 / RUN.as_secs_f64(),
+        p50_us: pct(0.50),
+        p99_us: pct(0.99),
+        cpu_us: (cpu_time_us() - cpu) / lat.len() as f64,
     }
 }
 
@@ -131,8 +227,12 @@ fn main() {
     let Some(server) = support::RedisServer::start() else {
         return;
     };
+    let threads: usize = std::env::var("TOLLGATE_BENCH_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(2);
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         .enable_all()
         .build()
         .expect("runtime");
@@ -145,29 +245,34 @@ fn main() {
             .connect()
             .await
             .expect("connect");
-        println!("pool size {pool}");
+        println!("pool size {pool}, {threads} tokio workers");
         // Large bursts, so that the load measures admissions, not rejections.
         let gcra = Policy::gcra(Rate::per_second(1_000_000), 1_000_000).expect("policy");
         let bucket = Policy::token_bucket(Rate::per_second(1_000_000), 1_000_000).expect("policy");
         println!("redis-server {}", server.cli(&["INFO", "server"]).lines().find(|l| l.starts_with("redis_version")).unwrap_or("?").trim());
         println!();
-        println!("| algorithm | keys | callers | decisions/s | p50 | p99 | redis-benchmark EVALSHA -P 16 | share |");
-        println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+        println!("| algorithm | keys | callers | decisions/s | p50 | p99 | client CPU per decision | redis-benchmark EVALSHA -P 16 | share |");
+        println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         let only_load = std::env::var("TOLLGATE_BENCH_QUICK").is_ok();
         for policy in [&gcra, &bucket] {
             let name = policy.algorithm().as_str();
             let sha = store.check_script_sha(policy.algorithm());
             for spread in [false, true] {
                 let top = ceiling(server.port, sha, policy, spread);
+                let keys = if spread { "100k" } else { "1 (hot)" };
                 for callers in [1, 64] {
                     let f = load(&store, policy, callers, spread).await;
-                    let keys = if spread { "100k" } else { "1 (hot)" };
                     let share = if callers == 64 { format!("{:.0}%", 100.0 * f.per_sec / top) } else { "".into() };
                     println!(
-                        "| {name} | {keys} | {callers} | {:.0} | {:.0} µs | {:.0} µs | {top:.0}/s | {share} |",
-                        f.per_sec, f.p50_us, f.p99_us
+                        "| {name} | {keys} | {callers} | {:.0} | {:.0} µs | {:.0} µs | {:.1} µs | {top:.0}/s | {share} |",
+                        f.per_sec, f.p50_us, f.p99_us, f.cpu_us
                     );
                 }
+                let f = fred_alone(&server.url(), pool, sha, policy, spread).await;
+                println!(
+                    "| {name}, fred alone | {keys} | 64 | {:.0} | {:.0} µs | {:.0} µs | {:.1} µs | {top:.0}/s | {:.0}% |",
+                    f.per_sec, f.p50_us, f.p99_us, f.cpu_us, 100.0 * f.per_sec / top
+                );
             }
         }
 

@@ -132,6 +132,7 @@ mod keys;
 pub use keys::KeySlots;
 
 use std::fmt;
+use std::fmt::Write as _;
 use std::future::Future;
 use std::hash::BuildHasher;
 use std::pin::Pin;
@@ -140,6 +141,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use fred::bytes::Bytes;
 use fred::bytes_utils::Str;
 use fred::clients::Pool;
 use fred::error::{Error as FredError, ErrorKind};
@@ -546,7 +548,7 @@ impl fmt::Debug for ResponseFuture {
 
 /// One check, owned, ready for the script.
 struct Item {
-    key: String,
+    key: Key,
     slot: u16,
     algorithm: &'static str,
     limit: u64,
@@ -630,7 +632,7 @@ impl Inner {
                 } else {
                     0
                 },
-                key,
+                key: Key::from(key),
                 algorithm: policy.algorithm().as_str(),
                 limit: policy.limit(),
                 period: policy.period_nanos(),
@@ -653,6 +655,12 @@ impl Inner {
     }
 
     async fn run(self: Arc<Self>, call: Box<Call>) -> Result<Decision, StoreError> {
+        let first_slot = call.items[0].slot;
+        if call.items.iter().all(|it| it.slot == first_slot) {
+            // One command: the client's own command timeout (set to ours) bounds it, and
+            // drops the command if it is still queued (while reconnecting, say).
+            return self.decide(&call).await;
+        }
         match tokio::time::timeout(self.timeout, self.decide(&call)).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout(self.timeout)),
@@ -675,19 +683,28 @@ impl Inner {
 
     async fn decide(&self, call: &Call) -> Result<Decision, StoreError> {
         let first_slot = call.items[0].slot;
-        let one_slot = call.items.iter().all(|it| it.slot == first_slot);
-        let answers = if one_slot {
+        if call.items.iter().all(|it| it.slot == first_slot) {
             let group = Group {
                 items: call.items.iter().collect(),
                 tokens: call.items.iter().map(|_| String::new()).collect(),
             };
-            vec![self.consume(call, &group).await?]
-        } else {
-            self.consume_across_slots(call).await?
-        };
+            let answer = self.consume(call, &group).await?;
+            let verdict = self.verdict(call, [(&answer, group.items)]);
+            return Ok(verdict);
+        }
+        let answers = self.consume_across_slots(call).await?;
+        Ok(self.verdict(call, answers.iter().zip(Self::slot_groups(call))))
+    }
+
+    /// The most restrictive decision of all the answers; rejections go to the deny cache.
+    fn verdict<'a, 'b>(
+        &self,
+        call: &Call,
+        answers: impl IntoIterator<Item = (&'b Answer, SmallVec<[&'a Item; 4]>)>,
+    ) -> Decision {
         let mut verdict: Option<Decision> = None;
         let now = self.local.now();
-        for (answer, items) in answers.iter().zip(Self::slot_groups(call)) {
+        for (answer, items) in answers {
             for ((d, _, _), item) in answer.decisions.iter().zip(items) {
                 if !d.allowed() {
                     if let Some(deny) = &self.deny {
@@ -697,7 +714,7 @@ impl Inner {
                 verdict = Some(verdict.map_or(*d, |v| v.most_restrictive(*d)));
             }
         }
-        Ok(verdict.unwrap_or(NOTHING_TO_CHECK))
+        verdict.unwrap_or(NOTHING_TO_CHECK)
     }
 
     /// The items grouped by slot, in the order `consume_across_slots` answers them (one group
@@ -742,7 +759,8 @@ impl Inner {
                         let (keys, args) = self.refund_args(call, g, a, "settle");
                         let (pool, lua) = (self.pool.clone(), self.scripts.refund.clone());
                         tokio::spawn(async move {
-                            let _ = eval::<Value>(&pool, &lua, keys, args).await;
+                            let build = || (keys.clone(), args.clone());
+                            let _ = eval::<Value>(&pool, &lua, build).await;
                         });
                     }
                 }
@@ -751,8 +769,9 @@ impl Inner {
             // Take back what the slots that admitted consumed.
             let refunds = groups.iter().zip(&results).filter_map(|(g, r)| match r {
                 Ok(a) if a.admitted => {
-                    let (keys, args) = self.refund_args(call, g, a, "refund");
-                    Some(eval::<Value>(&self.pool, &self.scripts.refund, keys, args))
+                    Some(eval::<Value>(&self.pool, &self.scripts.refund, || {
+                        self.refund_args(call, g, a, "refund")
+                    }))
                 }
                 _ => None,
             });
@@ -762,18 +781,36 @@ impl Inner {
     }
 
     async fn consume(&self, call: &Call, group: &Group<'_>) -> Result<Answer, StoreError> {
-        let keys: Vec<Key> = group.items.iter().map(|it| Key::from(&*it.key)).collect();
-        let mut args: Vec<Value> = Vec::with_capacity(3 + 6 * group.items.len());
-        args.extend(self.time_args(call));
-        for (it, token) in group.items.iter().zip(&group.tokens) {
-            args.push(static_str(it.algorithm));
-            args.push(Value::from(it.limit.to_string()));
-            args.push(Value::from(it.period.to_string()));
-            args.push(Value::from(it.cost.to_string()));
-            args.push(Value::from(it.horizon.to_string()));
-            args.push(Value::from(token.as_str()));
+        // The numbers of every check in one buffer, handed out as slices of it.
+        let mut digits = String::with_capacity(64 * group.items.len());
+        let mut ends: SmallVec<[usize; 16]> = SmallVec::new();
+        for it in &group.items {
+            for n in [it.limit, it.period, it.cost, it.horizon] {
+                let _ = write!(digits, "{n}");
+                ends.push(digits.len());
+            }
         }
-        let out = eval::<Vec<i64>>(&self.pool, self.scripts.check(&group.items), keys, args)
+        let digits = Bytes::from(digits);
+        let build = || {
+            let keys: Vec<Key> = group.items.iter().map(|it| it.key.clone()).collect();
+            let mut args: Vec<Value> = Vec::with_capacity(3 + 6 * group.items.len());
+            args.extend(self.time_args(call));
+            let mut start = 0;
+            for (i, (it, token)) in group.items.iter().zip(&group.tokens).enumerate() {
+                args.push(static_str(it.algorithm));
+                for &end in &ends[4 * i..4 * i + 4] {
+                    args.push(Value::Bytes(digits.slice(start..end)));
+                    start = end;
+                }
+                args.push(if token.is_empty() {
+                    static_str("")
+                } else {
+                    Value::from(token.as_str())
+                });
+            }
+            (keys, args)
+        };
+        let out = eval::<Vec<i64>>(&self.pool, self.scripts.check(&group.items), build)
             .await
             .map_err(|e| backend_error(&e, self.timeout))?;
         if out.len() != 1 + 6 * group.items.len() {
@@ -807,7 +844,7 @@ impl Inner {
         answer: &Answer,
         mode: &'static str,
     ) -> (Vec<Key>, Vec<Value>) {
-        let keys: Vec<Key> = group.items.iter().map(|it| Key::from(&*it.key)).collect();
+        let keys: Vec<Key> = group.items.iter().map(|it| it.key.clone()).collect();
         let mut args: Vec<Value> = Vec::with_capacity(3 + 8 * group.items.len());
         let [sec, nsec, _] = self.time_args(call);
         args.extend([sec, nsec, static_str(mode)]);
@@ -834,20 +871,25 @@ fn static_str(s: &'static str) -> Value {
 
 /// EVALSHA, and EVAL of the whole script if the server has lost it (restart, SCRIPT FLUSH, a
 /// new Cluster node): EVAL caches it again.
+/// `build` makes the keys and arguments (twice after a NOSCRIPT).
 async fn eval<R: fred::types::FromValue>(
     pool: &Pool,
     lua: &Lua,
-    keys: Vec<Key>,
-    args: Vec<Value>,
+    build: impl Fn() -> (Vec<Key>, Vec<Value>),
 ) -> Result<R, FredError> {
-    let keys = MultipleKeys::from(keys);
-    let args = Value::Array(args);
+    let (keys, args) = build();
     match pool
-        .evalsha::<R, _, _, _>(lua.sha.as_str(), keys.clone(), args.clone())
+        .evalsha::<R, _, _, _>(
+            lua.sha.as_str(),
+            MultipleKeys::from(keys),
+            Value::Array(args),
+        )
         .await
     {
         Err(e) if e.details().starts_with("NOSCRIPT") => {
-            pool.eval::<R, _, _, _>(lua.text, keys, args).await
+            let (keys, args) = build();
+            pool.eval::<R, _, _, _>(lua.text, MultipleKeys::from(keys), Value::Array(args))
+                .await
         }
         r => r,
     }
@@ -1050,7 +1092,6 @@ impl RedisStoreBuilder {
                 c.internal_command_timeout = connect_timeout;
                 // A script is not idempotent: never send it twice on our behalf.
                 c.max_command_attempts = 1;
-                c.tcp.nodelay = Some(true);
             })
             .with_performance_config(|p| {
                 p.default_command_timeout = timeout;
