@@ -213,3 +213,26 @@ async fn invalid_checks_are_errors_not_rejections() {
         "a prefix with braces could pick the slot"
     );
 }
+
+#[tokio::test]
+async fn a_primary_found_through_sentinel() {
+    let server = redis_or_skip!();
+    let sentinel = support::RedisSentinel::start(&server);
+    let store = RedisStore::builder()
+        .sentinel([("127.0.0.1", sentinel.port)], "mymaster")
+        .connect()
+        .await
+        .unwrap();
+    let p = Policy::fixed_window(2, Duration::from_secs(3600)).unwrap();
+    assert!(store.check("k", &p, 1).await.unwrap().allowed());
+    assert!(store.check("k", &p, 1).await.unwrap().allowed());
+    assert!(!store.check("k", &p, 1).await.unwrap().allowed());
+    // The state is on the primary the sentinel named.
+    assert_eq!(support::keys_with_ttl(&server).len(), 1);
+    let url = format!(
+        "redis-sentinel://127.0.0.1:{}?sentinelServiceName=mymaster",
+        sentinel.port
+    );
+    let by_url = RedisStore::connect(&url).await.unwrap();
+    assert!(!by_url.check("k", &p, 1).await.unwrap().allowed());
+}

@@ -148,6 +148,66 @@ impl Drop for RedisServer {
     }
 }
 
+/// A Sentinel watching `master` as `mymaster`, killed on drop.
+pub struct RedisSentinel {
+    child: Child,
+    pub port: u16,
+    dir: PathBuf,
+}
+
+impl RedisSentinel {
+    pub fn start(master: &RedisServer) -> Self {
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-sentinel-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let conf = dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {} 1\nsentinel down-after-milliseconds mymaster 2000\n",
+                dir.display(),
+                master.port
+            ),
+        )
+        .expect("sentinel.conf");
+        let child = Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server --sentinel");
+        let s = Self { child, port, dir };
+        for _ in 0..300 {
+            let out = Command::new("redis-cli")
+                .args([
+                    "-p",
+                    &port.to_string(),
+                    "SENTINEL",
+                    "get-master-addr-by-name",
+                    "mymaster",
+                ])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            if out.contains(&master.port.to_string()) {
+                return s;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("the sentinel did not start");
+    }
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// A three-master Redis Cluster, no replicas.
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
