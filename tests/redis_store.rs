@@ -180,14 +180,22 @@ async fn invalid_checks_are_errors_not_rejections() {
         .unwrap();
     let year = Policy::fixed_window(10, Duration::from_secs(365 * 86_400)).unwrap();
     match store.check("k", &year, 1).await {
-        Err(StoreError::Backend(e)) => {
-            let e = e
-                .downcast_ref::<UnsupportedPolicy>()
-                .expect("UnsupportedPolicy");
-            assert_eq!(e.what, "horizon (ns)");
+        Err(StoreError::Unsupported { index: 0, reason }) => {
+            assert!(reason.contains("horizon"), "{reason}");
         }
         other => panic!("{other:?}"),
     }
+    let e: UnsupportedPolicy = RedisStore::supports(&year).unwrap_err();
+    assert_eq!(e.what, "horizon (ns)");
+    // A misconfigured policy never fails open.
+    let open = tollgate::store::ResilientStore::builder(store.clone())
+        .failure_policy(tollgate::store::FailurePolicy::Open)
+        .build();
+    assert!(matches!(
+        open.check("k", &year, 1).await,
+        Err(StoreError::Unsupported { .. })
+    ));
+    assert_eq!(open.stats().failed_open, 0);
     let p = Policy::gcra(Rate::per_second(1), 3).unwrap();
     assert!(matches!(
         store.check("k", &p, 4).await,

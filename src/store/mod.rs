@@ -160,6 +160,14 @@ pub enum StoreError {
         /// The most the store accepts.
         max: usize,
     },
+    /// The store cannot run the policy of the check at `index` exactly (a bound of its
+    /// arithmetic; see `RedisStore::supports`). A configuration error, not a store failure.
+    Unsupported {
+        /// Which check of the call.
+        index: usize,
+        /// Why, naming the value and the bound.
+        reason: String,
+    },
     /// The backend did not answer within the configured time.
     Timeout(Duration),
     /// The backend is considered down (a circuit breaker is open); it was not asked.
@@ -179,6 +187,9 @@ impl fmt::Display for StoreError {
                 f,
                 "the key of check {index} is {len} bytes long, more than the {max} the store accepts"
             ),
+            StoreError::Unsupported { index, reason } => {
+                write!(f, "the policy of check {index} is not supported: {reason}")
+            }
             StoreError::Timeout(after) => write!(f, "the store did not answer within {after:?}"),
             StoreError::CircuitOpen => f.write_str("the store is considered down (circuit open)"),
             StoreError::Backend(e) => write!(f, "the store failed: {e}"),

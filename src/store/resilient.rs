@@ -16,7 +16,8 @@
 //! store: a success closes the breaker, a failure opens it again. So a dead store costs one
 //! timeout per probe interval, not one per request, and the breaker closes by itself when the
 //! store answers again. Caller errors ([`StoreError::CostExceedsLimit`],
-//! [`StoreError::KeyTooLong`]) pass through untouched and never count as failures.
+//! [`StoreError::KeyTooLong`], [`StoreError::Unsupported`]) pass through untouched and never
+//! count as failures: a misconfigured limit never fails open.
 //!
 //! ```
 //! use std::time::Duration;
@@ -269,7 +270,8 @@ impl<S: Store> ResilientStore<S> {
                         }
                         Ok(Err(
                             e @ (StoreError::CostExceedsLimit { .. }
-                            | StoreError::KeyTooLong { .. }),
+                            | StoreError::KeyTooLong { .. }
+                            | StoreError::Unsupported { .. }),
                         )) => {
                             // The caller's mistake, not the store's: no failure, no policy.
                             probe.armed = false;

@@ -333,8 +333,8 @@ impl fmt::Display for UnsupportedPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "the policy of check {} is not supported by the Redis store: its {} is {} (at most {})",
-            self.index, self.what, self.value, self.max
+            "the Redis store runs a {} of at most {}, and this one is {}",
+            self.what, self.max, self.value
         )
     }
 }
@@ -400,8 +400,8 @@ impl RedisStore {
 
     /// Whether the Redis store runs `policy` exactly: its limit at most [`MAX_LIMIT`] and its
     /// horizon at most [`MAX_HORIZON`]. A check with an unsupported policy fails with
-    /// [`StoreError::Backend`] holding an [`UnsupportedPolicy`]; call this when you build your
-    /// policies to find out at start-up.
+    /// [`StoreError::Unsupported`]; call this when you build your policies to find out at
+    /// start-up.
     pub fn supports(policy: &Policy) -> Result<(), UnsupportedPolicy> {
         supports(policy, 0)
     }
@@ -591,7 +591,10 @@ impl Inner {
         let mut merged: SmallVec<[(Check<'_>, usize); 4]> = SmallVec::new();
         for (index, check) in checks.iter().enumerate() {
             check.validate(index, self.max_key_len)?;
-            supports(check.policy(), index).map_err(|e| StoreError::Backend(Box::new(e)))?;
+            supports(check.policy(), index).map_err(|e| StoreError::Unsupported {
+                index,
+                reason: e.to_string(),
+            })?;
             // The same (key, policy) twice in one stack is one check of the summed cost.
             match merged
                 .iter_mut()
