@@ -9,6 +9,9 @@ use std::time::Duration;
 use tollgate::store::redis::{RedisStore, UnsupportedPolicy};
 use tollgate::{Check, Policy, Rate, StoreError};
 
+/// Generous: these tests are about decisions and keys, not speed, and CI machines stall.
+const SLOW_MACHINE: Duration = Duration::from_secs(5);
+
 fn all_algorithms() -> Vec<Policy> {
     let day = Duration::from_secs(86_400);
     vec![
@@ -25,6 +28,7 @@ fn all_algorithms() -> Vec<Policy> {
 async fn hostile_keys_stay_in_their_namespace_and_every_key_expires() {
     let server = redis_or_skip!();
     let store = RedisStore::builder()
+        .timeout(SLOW_MACHINE)
         .url(server.url())
         .prefix("hostile:")
         .connect()
@@ -85,6 +89,7 @@ async fn hostile_keys_stay_in_their_namespace_and_every_key_expires() {
 async fn rejections_write_nothing_and_expiries_follow_recovery() {
     let server = redis_or_skip!();
     let store = RedisStore::builder()
+        .timeout(SLOW_MACHINE)
         .url(server.url())
         .ttl_slack(Duration::ZERO)
         .connect()
@@ -125,7 +130,12 @@ async fn rejections_write_nothing_and_expiries_follow_recovery() {
 #[tokio::test]
 async fn scripts_are_reloaded_after_script_flush() {
     let server = redis_or_skip!();
-    let store = RedisStore::connect(&server.url()).await.unwrap();
+    let store = RedisStore::builder()
+        .timeout(SLOW_MACHINE)
+        .url(server.url())
+        .connect()
+        .await
+        .unwrap();
     let p = Policy::fixed_window(2, Duration::from_secs(3600)).unwrap();
     assert!(store.check("k", &p, 1).await.unwrap().allowed());
     assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
@@ -137,6 +147,7 @@ async fn scripts_are_reloaded_after_script_flush() {
 async fn the_deny_cache_keeps_rejected_floods_off_redis() {
     let server = redis_or_skip!();
     let store = RedisStore::builder()
+        .timeout(SLOW_MACHINE)
         .url(server.url())
         .deny_cache(1000)
         .connect()
@@ -173,6 +184,7 @@ async fn the_deny_cache_keeps_rejected_floods_off_redis() {
 async fn invalid_checks_are_errors_not_rejections() {
     let server = redis_or_skip!();
     let store = RedisStore::builder()
+        .timeout(SLOW_MACHINE)
         .url(server.url())
         .max_key_len(100)
         .connect()
@@ -213,6 +225,7 @@ async fn invalid_checks_are_errors_not_rejections() {
     assert!(empty.allowed());
     assert!(
         RedisStore::builder()
+            .timeout(SLOW_MACHINE)
             .url(server.url())
             .prefix("bad{")
             .connect()
@@ -227,6 +240,7 @@ async fn a_primary_found_through_sentinel() {
     let server = redis_or_skip!();
     let sentinel = support::RedisSentinel::start(&server);
     let store = RedisStore::builder()
+        .timeout(SLOW_MACHINE)
         .sentinel([("127.0.0.1", sentinel.port)], "mymaster")
         .connect()
         .await

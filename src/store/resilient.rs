@@ -19,6 +19,9 @@
 //! [`StoreError::KeyTooLong`], [`StoreError::Unsupported`]) pass through untouched and never
 //! count as failures: a misconfigured limit never fails open.
 //!
+//! Timeouts and the breaker's clock are tokio's (`tokio::time`), so checks run inside a tokio
+//! runtime with its timer enabled, and tests can drive them with paused time.
+//!
 //! ```
 //! use std::time::Duration;
 //! use tollgate::{MemoryStore, Policy};
