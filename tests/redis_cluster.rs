@@ -192,3 +192,80 @@ async fn refunds_across_slots_are_exact_for_every_algorithm() {
         assert_eq!(left, 26, "{tenant:?}");
     }
 }
+
+/// Random stacked checks through the Cluster (consume, then refund across slots) and through
+/// `MemoryStore`, one after the other with one injected clock: identical decisions, which can
+/// only hold if every refund restores exactly the state the rejected call found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stacked_checks_across_slots_decide_like_memory() {
+    use tollgate::MemoryStore;
+    use tollgate::clock::ManualClock;
+    let Some(cluster) = RedisCluster::start() else {
+        return;
+    };
+    let clock = ManualClock::new();
+    clock.set(Duration::from_nanos(support::vectors::T0 + 123_456_789));
+    let redis = RedisStore::builder()
+        .cluster(cluster.nodes())
+        .timeout(Duration::from_secs(10))
+        .injected_clock(clock.clone())
+        .connect()
+        .await
+        .unwrap();
+    let memory = MemoryStore::with_clock(clock.clone());
+    let ms = Duration::from_millis;
+    let policies = [
+        Policy::fixed_window(4, ms(500)).unwrap(),
+        Policy::sliding_window(4, ms(500)).unwrap(),
+        Policy::sliding_log(4, ms(500)).unwrap(),
+        Policy::token_bucket(Rate::per_second(6), 4).unwrap(),
+        Policy::leaky_bucket(Rate::per_second(6), 4).unwrap(),
+        Policy::gcra(Rate::per_second(6), 4).unwrap(),
+    ];
+    let keys = ["u1", "u2", "u3", "tenant"];
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let mut refunded = 0;
+    for i in 0..800 {
+        clock.advance(Duration::from_nanos(next(30_000_000)));
+        let n = 2 + next(2) as usize;
+        let picks: Vec<(usize, usize, u64)> = (0..n)
+            .map(|_| (next(4) as usize, next(6) as usize, next(4)))
+            .collect();
+        let checks: Vec<Check<'_>> = picks
+            .iter()
+            .map(|&(k, p, c)| Check::new(keys[k], &policies[p], c))
+            .collect();
+        let (m, r) = match (
+            memory.check_all_now(&checks),
+            redis.check_all(&checks).await,
+        ) {
+            (Ok(m), Ok(r)) => (m, r),
+            (Err(m), Err(r)) => {
+                assert_eq!(m.to_string(), r.to_string());
+                continue;
+            }
+            (m, r) => panic!("step {i}: memory {m:?}, redis {r:?}"),
+        };
+        refunded += u32::from(!m.allowed());
+        let parts = |d: &tollgate::Decision| {
+            (
+                d.allowed(),
+                d.remaining(),
+                d.reset_after(),
+                d.retry_after(),
+                d.index(),
+            )
+        };
+        assert_eq!(parts(&m), parts(&r), "step {i}: {picks:?}");
+    }
+    assert!(
+        refunded > 100,
+        "too few rejections to exercise refunds: {refunded}"
+    );
+}

@@ -705,8 +705,8 @@ impl Inner {
         call: &Call,
         answers: impl IntoIterator<Item = (&'b Answer, SmallVec<[&'a Item; 4]>)>,
     ) -> Decision {
-        let mut verdict: Option<Decision> = None;
         let now = self.local.now();
+        let mut decisions: SmallVec<[Decision; 4]> = SmallVec::new();
         for (answer, items) in answers {
             for ((d, _, _), item) in answer.decisions.iter().zip(items) {
                 if !d.allowed() {
@@ -714,10 +714,15 @@ impl Inner {
                         deny.insert(item.deny_hash, item.cost, call.sent, now, *d);
                     }
                 }
-                verdict = Some(verdict.map_or(*d, |v| v.most_restrictive(*d)));
+                decisions.push(*d);
             }
         }
-        verdict.unwrap_or(NOTHING_TO_CHECK)
+        // In the order of the checks, as the in-process store folds them (ties keep the first).
+        decisions.sort_by_key(Decision::index);
+        decisions
+            .into_iter()
+            .reduce(Decision::most_restrictive)
+            .unwrap_or(NOTHING_TO_CHECK)
     }
 
     /// The items grouped by slot, in the order `consume_across_slots` answers them (one group
