@@ -7,7 +7,8 @@
 //! - [`FailurePolicy::Closed`]: the error goes to the caller (the HTTP layer answers 503: it is
 //!   our problem, not the client's);
 //! - [`FailurePolicy::Open`]: the request is admitted, and counted in
-//!   [`ResilientStats::failed_open`];
+//!   [`ResilientStats::failed_open`] (and passed to the
+//!   [`on_failure`](ResilientStoreBuilder::on_failure) hook, to log it);
 //! - [`FailurePolicy::LocalFallback`]: an in-process [`MemoryStore`] decides with the same
 //!   policies, optionally with each limit divided by the number of instances sharing it.
 //!
@@ -137,8 +138,13 @@ pub enum BreakerStatus {
     HalfOpen,
 }
 
+/// Called for every call answered by the failure policy (see
+/// [`ResilientStoreBuilder::on_failure`]).
+type FailureHook = Arc<dyn Fn(&StoreError) + Send + Sync>;
+
 struct Shared<S> {
     store: S,
+    hook: Option<FailureHook>,
     timeout: Duration,
     policy: FailurePolicy,
     threshold: u32,
@@ -192,6 +198,7 @@ impl<S: Store> ResilientStore<S> {
             open_for: DEFAULT_BREAKER_OPEN_FOR,
             fallback: None,
             instances: 1,
+            hook: None,
         }
     }
 
@@ -366,6 +373,9 @@ impl<S> Shared<S> {
         owned: &[(String, Policy, u64)],
         open_limit: Option<u64>,
     ) -> Result<Decision, StoreError> {
+        if let Some(hook) = &self.hook {
+            hook(&error);
+        }
         match self.policy {
             FailurePolicy::Closed => Err(error),
             FailurePolicy::Open => {
@@ -462,7 +472,6 @@ impl fmt::Debug for ResilientFuture {
 }
 
 /// Configures a [`ResilientStore`]; made by [`ResilientStore::builder`].
-#[derive(Debug)]
 pub struct ResilientStoreBuilder<S> {
     store: S,
     timeout: Duration,
@@ -471,9 +480,32 @@ pub struct ResilientStoreBuilder<S> {
     open_for: Duration,
     fallback: Option<MemoryStore>,
     instances: u64,
+    hook: Option<FailureHook>,
+}
+
+impl<S> fmt::Debug for ResilientStoreBuilder<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResilientStoreBuilder")
+            .field("timeout", &self.timeout)
+            .field("policy", &self.policy)
+            .field("threshold", &self.threshold)
+            .field("open_for", &self.open_for)
+            .field("instances", &self.instances)
+            .field("on_failure", &self.hook.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl<S: Store> ResilientStoreBuilder<S> {
+    /// Calls `hook` with the error of every call that the failure policy answers (a store
+    /// error, a timeout, or [`StoreError::CircuitOpen`] while the breaker is open): the place
+    /// to log it, with whatever logger the service uses (rate-limit the log: during an outage
+    /// this is every request).
+    pub fn on_failure(mut self, hook: impl Fn(&StoreError) + Send + Sync + 'static) -> Self {
+        self.hook = Some(Arc::new(hook));
+        self
+    }
+
     /// The most a call may take (default 250 ms); a slower one is a failure.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -521,6 +553,7 @@ impl<S: Store> ResilientStoreBuilder<S> {
                 state: Mutex::new(BreakerState::Closed { failures: 0 }),
                 fallback: self.fallback.unwrap_or_default(),
                 instances: self.instances,
+                hook: self.hook,
                 divided: Mutex::new(HashMap::new()),
                 counters: Counters::default(),
             }),
@@ -662,6 +695,18 @@ mod tests {
         }
         assert_eq!(s.stats().failed_open, 10);
         assert_eq!(fake.calls(), 3);
+        // The hook sees every failure the policy answered: 3 errors, then the open breaker.
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        let s = ResilientStore::builder(fake.clone())
+            .breaker(3, Duration::from_secs(1))
+            .failure_policy(FailurePolicy::Open)
+            .on_failure(move |e| log.lock().push(matches!(e, StoreError::CircuitOpen)))
+            .build();
+        for _ in 0..5 {
+            assert!(s.check("k", &p, 1).await.unwrap().allowed());
+        }
+        assert_eq!(*seen.lock(), [false, false, false, true, true]);
     }
 
     #[tokio::test(start_paused = true)]
