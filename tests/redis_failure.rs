@@ -129,3 +129,30 @@ async fn the_failure_policy_holds_while_redis_is_down() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_can_start_before_redis() {
+    if !support::redis_available() {
+        return;
+    }
+    let port = support::free_port();
+    let store = RedisStore::builder()
+        .url(format!("redis://127.0.0.1:{port}"))
+        .wait_for_redis(false)
+        .connect()
+        .await
+        .unwrap();
+    let p = Policy::fixed_window(1, Duration::from_secs(3600)).unwrap();
+    let start = Instant::now();
+    assert!(store.check("k", &p, 1).await.is_err());
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    let server = support::RedisServer::start_on(port);
+    until_back(&store, &p).await;
+    assert!(store.check("k", &p, 1).await.unwrap().allowed());
+    assert!(!store.check("k", &p, 1).await.unwrap().allowed());
+    drop(server);
+}

@@ -73,6 +73,11 @@ impl RedisServer {
         Some(Self::spawn(free_port(), false))
     }
 
+    /// A single node on `port` (see [`free_port`]); Redis must be installed.
+    pub fn start_on(port: u16) -> Self {
+        Self::spawn(port, false)
+    }
+
     fn spawn(port: u16, cluster: bool) -> Self {
         let dir =
             std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));

@@ -926,6 +926,7 @@ pub struct RedisStoreBuilder {
     deny_max_age: Duration,
     max_key_len: usize,
     ttl_slack: Duration,
+    wait: bool,
     injected: Option<Arc<dyn Clock>>,
 }
 
@@ -942,6 +943,7 @@ impl Default for RedisStoreBuilder {
             deny_max_age: Duration::from_secs(1),
             max_key_len: DEFAULT_MAX_KEY_LEN,
             ttl_slack: Duration::from_secs(1),
+            wait: true,
             injected: None,
         }
     }
@@ -966,6 +968,7 @@ impl fmt::Debug for RedisStoreBuilder {
             .field("deny_max_age", &self.deny_max_age)
             .field("max_key_len", &self.max_key_len)
             .field("ttl_slack", &self.ttl_slack)
+            .field("wait_for_redis", &self.wait)
             .finish_non_exhaustive()
     }
 }
@@ -1057,6 +1060,16 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Whether [`connect`](Self::connect) waits for Redis (default `true`: it fails if Redis
+    /// cannot be reached within the connect timeout). With `false` it returns at once and
+    /// connects in the background, retrying with backoff: a service can start while Redis is
+    /// down (its checks fail, promptly, until Redis answers; wrap the store in a
+    /// [`ResilientStore`](crate::store::ResilientStore) to decide what that means).
+    pub fn wait_for_redis(mut self, wait: bool) -> Self {
+        self.wait = wait;
+        self
+    }
+
     /// Testing only: the scripts take the time from `clock` (nanoseconds since the Unix
     /// epoch, or any origin) instead of Redis `TIME`, and keys expire an hour after they
     /// recover, so that a test can drive this store and a `MemoryStore` with one
@@ -1090,7 +1103,7 @@ impl RedisStoreBuilder {
                 ..Config::default()
             },
         };
-        config.fail_fast = true;
+        config.fail_fast = self.wait;
         let clustered = config.server.is_clustered();
         let mut builder = Builder::from_config(config);
         let (timeout, connect_timeout) = (self.timeout, self.connect_timeout);
@@ -1108,16 +1121,22 @@ impl RedisStoreBuilder {
         let pool = builder
             .build_pool(self.pool_size)
             .map_err(|e| config_error(e.details().into()))?;
-        match tokio::time::timeout(connect_timeout + timeout, pool.init()).await {
-            Ok(Ok(_handle)) => {}
-            Ok(Err(e)) => return Err(backend_error(&e, connect_timeout)),
-            Err(_) => {
-                let _ = pool.quit().await;
-                return Err(StoreError::Timeout(connect_timeout));
+        let scripts = Scripts::new();
+        if !self.wait {
+            // Connect in the background; until then calls fail fast, and the first one after
+            // sends its script with EVAL.
+            let _handles = pool.connect_pool();
+        } else {
+            match tokio::time::timeout(connect_timeout + timeout, pool.init()).await {
+                Ok(Ok(_handle)) => {}
+                Ok(Err(e)) => return Err(backend_error(&e, connect_timeout)),
+                Err(_) => {
+                    let _ = pool.quit().await;
+                    return Err(StoreError::Timeout(connect_timeout));
+                }
             }
         }
-        let scripts = Scripts::new();
-        for lua in scripts.all() {
+        for lua in scripts.all().filter(|_| self.wait) {
             let loaded = if clustered {
                 pool.next().script_load_cluster::<Value, _>(lua.text).await
             } else {
