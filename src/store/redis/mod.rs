@@ -34,15 +34,18 @@
 //!
 //! # How a check runs
 //!
-//! A check is one `EVALSHA` of one script, one round trip. The script holds the six
-//! algorithms, each a line-for-line mirror of `src/algorithm/*.rs` (same names, same order of
-//! steps; the files are `src/store/redis/*.lua`). It decides every check of the call, and
+//! A check is one `EVALSHA`, one round trip. Each algorithm is a line-for-line mirror of
+//! `src/algorithm/*.rs` in Lua (same names, same order of steps; the files are
+//! `src/store/redis/*.lua`), and a call runs the script made of its algorithm (a stack mixing
+//! algorithms, the script holding all six). The script decides every check of the call and
 //! writes only if all admit, so a stacked check is all or nothing. Scripts are loaded when the
 //! store connects; after a Redis restart or `SCRIPT FLUSH` the server answers `NOSCRIPT` and
-//! the store sends the script itself (`EVAL`, which also caches it) in the same call.
+//! the store sends the script itself (`EVAL`, which also caches it) in the same call. Redis
+//! 6.2 or later is needed (scripts replicated by effects, `LPOP` with a count).
 //!
-//! Concurrent checks are pipelined over a pool of connections (by default 4). No lock is held
-//! across an await; the only locks are the optional deny cache's, held for a hash-map lookup.
+//! Concurrent checks are pipelined over a pool of connections (by default 4; Nagle's
+//! algorithm stays on so that pipelined commands share packets). No lock is held across an
+//! await; the only locks are the optional deny cache's, held for a hash-map lookup.
 //!
 //! # Time
 //!
