@@ -2,6 +2,8 @@
 //! store that fails, and the Structured Fields readers.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod grpc;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
