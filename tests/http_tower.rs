@@ -165,3 +165,52 @@ async fn clones_share_one_limit() {
         "{statuses:?}"
     );
 }
+
+#[tokio::test]
+async fn a_store_that_answers_later_gets_the_ready_instance_and_the_same_answers() {
+    let (memory, _clock) = store();
+    let late = support::LateStore::new(memory);
+    let layer = RateLimitLayer::builder(late.clone())
+        .rule(
+            Rule::new("p")
+                .key(PeerIp::new())
+                .policy(Policy::fixed_window(2, Duration::from_secs(60)).unwrap()),
+        )
+        .rule(
+            Rule::new("shadow")
+                .key(PeerIp::new())
+                .policy(Policy::fixed_window(1, Duration::from_secs(60)).unwrap())
+                .shadow(),
+        )
+        .build()
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let inner = Strict {
+        open: Arc::new(AtomicBool::new(true)),
+        ready: false,
+        calls: calls.clone(),
+    };
+    let mut service = ServiceBuilder::new().layer(layer).service(inner);
+    let polled = Arc::new(AtomicBool::new(false));
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let response = ServiceExt::<Request<Watched>>::ready(&mut service)
+            .await
+            .unwrap()
+            .call(request(&polled))
+            .await
+            .unwrap();
+        answers.push((
+            response.status(),
+            response.headers().get("ratelimit").cloned(),
+        ));
+    }
+    assert_eq!(answers[0].0, StatusCode::OK);
+    assert_eq!(answers[0].1.as_ref().unwrap(), r#""p";r=1;t=60"#);
+    assert_eq!(answers[1].0, StatusCode::OK);
+    assert_eq!(answers[2].0, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    // Enforced and shadow checks for the two admitted requests, the enforced one for the third.
+    assert_eq!(late.asked.load(Ordering::SeqCst), 5);
+    assert!(!polled.load(Ordering::SeqCst));
+}

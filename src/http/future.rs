@@ -1,10 +1,11 @@
 //! The response future: a state machine over the store's answer and the inner service's.
 
+use std::any::Any;
 use std::fmt;
-use std::future::Future;
+use std::future::{Future, Ready};
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 
 use bytes::Bytes;
 use http::request::Parts;
@@ -16,14 +17,13 @@ use tower_service::Service;
 use super::body::ResponseBody;
 use super::layer::Shared;
 use super::response::{FieldValues, HeaderProfile, Rejection, RejectionKind};
-use crate::limiter::{Applied, NoKey, Plan, ShadowRejection};
+use crate::limiter::{Applied, NoKey, Plan, ShadowPlan, ShadowRejection, Start};
 use crate::{Decision, Store, StoreError};
 
-type Planned = crate::limiter::Planned;
-type ShadowPlan = Box<SmallVec<[Planned; 2]>>;
-
-/// What an admitted request needs to reach the inner service.
-pub(crate) struct Pending<S, B> {
+/// What a request that waits for an answer (a store that is not in-process, a tier
+/// resolver) keeps: the shared state, the request, and its own ready inner service.
+pub(crate) struct Pending<S, B, St> {
+    shared: Arc<Shared<St>>,
     parts: Parts,
     body: B,
     inner: S,
@@ -32,17 +32,21 @@ pub(crate) struct Pending<S, B> {
 pin_project! {
     /// The response future of [`RateLimit`](super::RateLimit).
     ///
-    /// With the in-process store it is never boxed and never waits: the store's future is
-    /// ready, so the first poll moves on to the inner service's future. Only a tier lookup
-    /// that misses the cache boxes (the resolver's future).
+    /// With a store whose future is `std::future::Ready` (the in-process [`MemoryStore`]) the
+    /// decision is made inside `call()` and the inner service is called right there: this
+    /// future is then just the inner service's future (or the ready refusal), with nothing
+    /// boxed or cloned. With any other store it waits for the store's answer, holding the
+    /// request and a ready clone of the inner service. A tier lookup that misses the cache
+    /// boxes the resolver's future.
+    ///
+    /// [`MemoryStore`]: crate::MemoryStore
     pub struct ResponseFuture<S, St, B>
     where
         S: Service<Request<B>>,
         St: Store,
     {
         #[pin]
-        state: State<St::Future, S::Future, Pending<S, B>>,
-        shared: Arc<Shared<St>>,
+        state: State<St::Future, S::Future, Box<Pending<S, B, St>>>,
     }
 }
 
@@ -72,7 +76,7 @@ pin_project! {
             pending: P,
             applied: SmallVec<[Applied; 4]>,
             decision: Option<Decision>,
-            shadow: SmallVec<[Applied; 2]>,
+            shadow: SmallVec<[Applied; 4]>,
         },
         // Admitted; waiting for the inner service.
         Calling {
@@ -87,74 +91,188 @@ pin_project! {
 }
 
 type StateOf<S, St, B> =
-    State<<St as Store>::Future, <S as Service<Request<B>>>::Future, Pending<S, B>>;
+    State<<St as Store>::Future, <S as Service<Request<B>>>::Future, Box<Pending<S, B, St>>>;
+
+/// The ready inner service: borrowed from the service in `call()` (a clone takes its place if
+/// the request must wait), or owned by a waiting future.
+trait ReadyInner<S> {
+    fn call<R>(self, request: R) -> S::Future
+    where
+        S: Service<R>;
+
+    fn into_owned(self) -> S;
+}
+
+struct Borrowed<'a, S>(&'a mut S);
+
+impl<S: Clone> ReadyInner<S> for Borrowed<'_, S> {
+    #[inline]
+    fn call<R>(self, request: R) -> S::Future
+    where
+        S: Service<R>,
+    {
+        self.0.call(request)
+    }
+
+    fn into_owned(self) -> S {
+        // The ready service goes with the request; its clone waits for the next poll_ready.
+        let clone = self.0.clone();
+        std::mem::replace(self.0, clone)
+    }
+}
+
+struct Owned<S>(S);
+
+impl<S> ReadyInner<S> for Owned<S> {
+    fn call<R>(mut self, request: R) -> S::Future
+    where
+        S: Service<R>,
+    {
+        self.0.call(request)
+    }
+
+    fn into_owned(self) -> S {
+        self.0
+    }
+}
+
+/// The output of a store future that is already known, or the future back.
+#[inline]
+fn now<F>(mut check: F) -> Result<Result<Decision, StoreError>, F>
+where
+    F: Future<Output = Result<Decision, StoreError>> + 'static,
+{
+    let any: &mut dyn Any = &mut check;
+    if let Some(ready) = any.downcast_mut::<Ready<Result<Decision, StoreError>>>() {
+        if let Poll::Ready(output) = Pin::new(ready).poll(&mut Context::from_waker(Waker::noop())) {
+            return Ok(output);
+        }
+    }
+    Err(check)
+}
 
 impl<S, St, B, ResBody> ResponseFuture<S, St, B>
 where
-    S: Service<Request<B>, Response = Response<ResBody>>,
+    S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     St: Store,
 {
-    /// Plans the request and asks the store: the decision is made here, in `call()`.
+    /// What `RateLimit::call` does: plans the request, asks the store, and with an
+    /// in-process store decides and calls the inner service right here.
     #[inline]
-    pub(crate) fn start(shared: Arc<Shared<St>>, inner: S, request: Request<B>) -> Self {
+    pub(crate) fn call(shared: &Arc<Shared<St>>, inner: &mut S, request: Request<B>) -> Self {
         let (parts, body) = request.into_parts();
-        let pending = Pending { parts, body, inner };
-        let state = match shared.limiter.plan(&pending.parts) {
-            Ok(plan) => Self::check(&shared, plan, pending),
-            Err(no_key) => State::Answered {
-                response: Some(shared.no_key(&pending.parts, no_key)),
-            },
-        };
-        Self { state, shared }
+        let start = shared.limiter.start(&parts);
+        Self {
+            state: Self::started(shared, start, parts, body, Borrowed(inner)),
+        }
     }
 
     #[inline]
-    fn check(shared: &Shared<St>, plan: Plan, pending: Pending<S, B>) -> StateOf<S, St, B> {
-        let limiter = &shared.limiter;
-        if let Some((shadow, i, answer)) = limiter.next_unresolved(&plan) {
-            return State::Resolving {
+    fn started(
+        shared: &Arc<Shared<St>>,
+        start: Start<St::Future>,
+        parts: Parts,
+        body: B,
+        inner: impl ReadyInner<S>,
+    ) -> StateOf<S, St, B> {
+        match start {
+            Start::Checking {
+                check,
+                applied,
+                shadow,
+            } => match now(check) {
+                Ok(result) => Self::decided(shared, result, applied, shadow, parts, body, inner),
+                Err(check) => State::Checking {
+                    check,
+                    pending: Box::new(Pending {
+                        shared: Arc::clone(shared),
+                        parts,
+                        body,
+                        inner: inner.into_owned(),
+                    }),
+                    applied,
+                    shadow,
+                },
+            },
+            Start::Unchecked { shadow } => {
+                Self::admitted(shared, None, SmallVec::new(), shadow, parts, body, inner)
+            }
+            Start::Resolving { plan, at, answer } => State::Resolving {
                 answer,
-                at: (shadow, i),
-                plan: Box::new(plan),
-                pending,
-            };
-        }
-        let Plan { enforced, shadow } = plan;
-        let shadow = (!shadow.is_empty()).then(|| Box::new(shadow));
-        if enforced.is_empty() {
-            return Self::after_enforced(shared, None, SmallVec::new(), shadow, pending);
-        }
-        let applied = applied(&enforced);
-        let check = limiter.store.check_all(&limiter.checks(&enforced));
-        State::Checking {
-            check,
-            pending,
-            applied,
-            shadow,
+                at,
+                plan,
+                pending: Box::new(Pending {
+                    shared: Arc::clone(shared),
+                    parts,
+                    body,
+                    inner: inner.into_owned(),
+                }),
+            },
+            Start::NoKey(no_key) => State::Answered {
+                response: Some(shared.no_key(&parts, no_key)),
+            },
         }
     }
 
-    fn after_enforced(
-        shared: &Shared<St>,
+    /// The enforced rules' decision is known.
+    #[inline]
+    fn decided(
+        shared: &Arc<Shared<St>>,
+        result: Result<Decision, StoreError>,
+        applied: SmallVec<[Applied; 4]>,
+        shadow: Option<ShadowPlan>,
+        parts: Parts,
+        body: B,
+        inner: impl ReadyInner<S>,
+    ) -> StateOf<S, St, B> {
+        match result {
+            Ok(d) if d.allowed() => {
+                Self::admitted(shared, Some(d), applied, shadow, parts, body, inner)
+            }
+            Ok(d) => State::Answered {
+                response: Some(shared.limited(&parts, &d, &applied)),
+            },
+            Err(e) => State::Answered {
+                response: Some(shared.unavailable(&parts, &e)),
+            },
+        }
+    }
+
+    /// Admitted by the enforced rules: the shadow rules, then the inner service.
+    #[inline]
+    fn admitted(
+        shared: &Arc<Shared<St>>,
         decision: Option<Decision>,
         applied: SmallVec<[Applied; 4]>,
         shadow: Option<ShadowPlan>,
-        pending: Pending<S, B>,
+        parts: Parts,
+        body: B,
+        inner: impl ReadyInner<S>,
     ) -> StateOf<S, St, B> {
-        match shadow {
-            None => Self::call_inner(shared, decision, &applied, pending, None),
+        let rejection = match shadow {
+            None => None,
             Some(shadow) => {
-                let limiter = &shared.limiter;
-                let check = limiter.store.check_all(&limiter.checks(&shadow));
-                State::Shadowing {
-                    check,
-                    pending,
-                    applied,
-                    decision,
-                    shadow: applied_shadow(&shadow),
+                let (check, shadow) = shared.limiter.check_shadow(&shadow);
+                match now(check) {
+                    Ok(result) => shadow_rejection(shared, result, &shadow),
+                    Err(check) => {
+                        return State::Shadowing {
+                            check,
+                            pending: Box::new(Pending {
+                                shared: Arc::clone(shared),
+                                parts,
+                                body,
+                                inner: inner.into_owned(),
+                            }),
+                            applied,
+                            decision,
+                            shadow,
+                        };
+                    }
                 }
             }
-        }
+        };
+        Self::call_inner(shared, decision, &applied, parts, body, inner, rejection)
     }
 
     #[inline]
@@ -162,14 +280,11 @@ where
         shared: &Shared<St>,
         decision: Option<Decision>,
         applied: &[Applied],
-        pending: Pending<S, B>,
+        mut parts: Parts,
+        body: B,
+        inner: impl ReadyInner<S>,
         shadow: Option<ShadowRejection>,
     ) -> StateOf<S, St, B> {
-        let Pending {
-            mut parts,
-            body,
-            mut inner,
-        } = pending;
         let fields = match decision {
             Some(d) => {
                 if shared.decision_extension {
@@ -189,29 +304,22 @@ where
     }
 }
 
-fn applied(planned: &[Planned]) -> SmallVec<[Applied; 4]> {
-    planned
-        .iter()
-        .map(|p| Applied {
-            rule: p.rule,
-            set: p.set.unwrap_or(0),
-        })
-        .collect()
-}
-
-fn applied_shadow(planned: &[Planned]) -> SmallVec<[Applied; 2]> {
-    planned
-        .iter()
-        .map(|p| Applied {
-            rule: p.rule,
-            set: p.set.unwrap_or(0),
-        })
-        .collect()
+/// A shadow rule's refusal, reported; anything else (an admission, a failing store) changes
+/// nothing.
+fn shadow_rejection<St: Store>(
+    shared: &Shared<St>,
+    result: Result<Decision, StoreError>,
+    applied: &[Applied],
+) -> Option<ShadowRejection> {
+    match result {
+        Ok(d) if !d.allowed() => Some(shared.limiter.shadow_rejected(applied, d)),
+        _ => None,
+    }
 }
 
 impl<S, St, B, ResBody> Future for ResponseFuture<S, St, B>
 where
-    S: Service<Request<B>, Response = Response<ResBody>>,
+    S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     St: Store,
 {
     type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
@@ -229,6 +337,13 @@ where
                     this.state.set(State::Done);
                     return Poll::Ready(Ok(response));
                 }
+                StateProj::Answered { response } => match response.take() {
+                    Some(response) => {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                    }
+                    None => panic!("ResponseFuture polled after completion"),
+                },
                 StateProj::Checking { check, .. } => {
                     let result = ready!(check.poll(cx));
                     let StateReplace::Checking {
@@ -240,17 +355,13 @@ where
                     else {
                         unreachable!("the state was just matched")
                     };
-                    match result {
-                        Ok(d) if d.allowed() => {
-                            Self::after_enforced(this.shared, Some(d), applied, shadow, pending)
-                        }
-                        Ok(d) => State::Answered {
-                            response: Some(this.shared.limited(&pending.parts, &d, &applied)),
-                        },
-                        Err(e) => State::Answered {
-                            response: Some(this.shared.unavailable(&pending.parts, &e)),
-                        },
-                    }
+                    let Pending {
+                        shared,
+                        parts,
+                        body,
+                        inner,
+                    } = *pending;
+                    Self::decided(&shared, result, applied, shadow, parts, body, Owned(inner))
                 }
                 StateProj::Shadowing { check, .. } => {
                     let result = ready!(check.poll(cx));
@@ -264,14 +375,22 @@ where
                     else {
                         unreachable!("the state was just matched")
                     };
-                    // A shadow rule never refuses, and a failing store changes nothing here.
-                    let rejection = match result {
-                        Ok(d) if !d.allowed() => {
-                            Some(this.shared.limiter.shadow_rejected(&shadow, d))
-                        }
-                        _ => None,
-                    };
-                    Self::call_inner(this.shared, decision, &applied, pending, rejection)
+                    let Pending {
+                        shared,
+                        parts,
+                        body,
+                        inner,
+                    } = *pending;
+                    let rejection = shadow_rejection(&shared, result, &shadow);
+                    Self::call_inner(
+                        &shared,
+                        decision,
+                        &applied,
+                        parts,
+                        body,
+                        Owned(inner),
+                        rejection,
+                    )
                 }
                 StateProj::Resolving { answer, .. } => {
                     let tier = ready!(answer.as_mut().poll(cx));
@@ -284,18 +403,17 @@ where
                     else {
                         unreachable!("the state was just matched")
                     };
-                    this.shared
-                        .limiter
-                        .resolved(&mut plan, at.0, at.1, tier.as_deref());
-                    Self::check(this.shared, *plan, pending)
+                    let Pending {
+                        shared,
+                        parts,
+                        body,
+                        inner,
+                    } = *pending;
+                    let limiter = &shared.limiter;
+                    limiter.resolved(&mut plan, at.0, at.1, tier.as_deref());
+                    let start = limiter.resume(plan);
+                    Self::started(&shared, start, parts, body, Owned(inner))
                 }
-                StateProj::Answered { response } => match response.take() {
-                    Some(response) => {
-                        this.state.set(State::Done);
-                        return Poll::Ready(Ok(response.map(ResponseBody::full)));
-                    }
-                    None => panic!("ResponseFuture polled after completion"),
-                },
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             };
             this.state.set(next);
@@ -320,12 +438,12 @@ impl<St: Store> Shared<St> {
         if self.profile == HeaderProfile::Off {
             return None;
         }
-        let (_, name) = self.limiter.locate(applied, decision.index())?;
+        let item = self.limiter.item(applied, decision.index())?;
         Some(FieldValues::new(
             self.profile,
             self.reset,
             decision,
-            name,
+            item,
             || self.policy_field(applied),
         ))
     }

@@ -71,37 +71,36 @@ pub enum ResetFormat {
 pub(crate) struct FieldValues {
     policy: Option<HeaderValue>,
     status: Option<HeaderValue>,
-    legacy: Option<[HeaderValue; 3]>,
+    legacy: Option<Box<[HeaderValue; 3]>>,
 }
 
 impl FieldValues {
-    /// The fields for `decision` from policy `name`, with the `RateLimit-Policy` value of the
-    /// policies that applied.
+    /// The fields for `decision`, whose `RateLimit` item starts with `item` (`"name";r=`),
+    /// with the `RateLimit-Policy` value of the policies that applied.
+    #[inline]
     pub(crate) fn new(
         profile: HeaderProfile,
         reset: ResetFormat,
         decision: &Decision,
-        name: &str,
+        item: &str,
         policy: impl FnOnce() -> Option<HeaderValue>,
     ) -> Self {
         let t = reset_secs(decision);
         let mut values = FieldValues::default();
         if profile.ietf() {
             values.policy = policy();
-            let mut text = crate::key::Key::new();
-            let _ = write!(text, "\"{name}\";r={};t={t}", decision.remaining());
-            values.status = HeaderValue::from_str(text.as_str()).ok();
+            values.status = status_value(item, decision.remaining(), t);
         }
         if profile.legacy() {
             let reset = match reset {
                 ResetFormat::DeltaSeconds => t,
                 ResetFormat::UnixSeconds => unix_now().saturating_add(t),
             };
-            values.legacy = Some([
+            values.legacy = Some(Box::new([
                 HeaderValue::from(decision.limit()),
                 HeaderValue::from(decision.remaining()),
                 HeaderValue::from(reset),
-            ]);
+            ]));
         }
         values
     }
@@ -115,7 +114,8 @@ impl FieldValues {
         if let Some(v) = self.status {
             headers.insert(RATELIMIT, v);
         }
-        if let Some([limit, remaining, reset]) = self.legacy {
+        if let Some(legacy) = self.legacy {
+            let [limit, remaining, reset] = *legacy;
             headers.insert(X_RATELIMIT_LIMIT, limit);
             headers.insert(X_RATELIMIT_REMAINING, remaining);
             headers.insert(X_RATELIMIT_RESET, reset);
@@ -130,6 +130,29 @@ fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// `RateLimit: "name";r=R;t=T` from its start `"name";r=`, written on the stack: the value's
+/// own buffer is the only allocation.
+#[inline]
+fn status_value(item: &str, r: u64, t: u64) -> Option<HeaderValue> {
+    let mut text = [0u8; 128];
+    let item = item.as_bytes();
+    // Names are at most 64 characters: `"name";r=` always fits with 2 x 20 digits.
+    let head = text.get_mut(..item.len())?;
+    head.copy_from_slice(item);
+    let mut len = item.len();
+    let mut digits = [0u8; 20];
+    for (separator, n) in [(&b""[..], r), (&b";t="[..], t)] {
+        text.get_mut(len..len + separator.len())?
+            .copy_from_slice(separator);
+        len += separator.len();
+        let start = crate::key::write_digits(&mut digits, n);
+        let d = &digits[start..];
+        text.get_mut(len..len + d.len())?.copy_from_slice(d);
+        len += d.len();
+    }
+    HeaderValue::from_bytes(&text[..len]).ok()
 }
 
 /// `t`: seconds until full recovery when admitted, until the retry when refused.
@@ -468,7 +491,7 @@ mod tests {
             HeaderProfile::Both,
             ResetFormat::DeltaSeconds,
             &d,
-            "p",
+            "\"p\";r=",
             || Some(HeaderValue::from_static("\"p\";q=10;w=60")),
         )
         .apply(&mut headers);

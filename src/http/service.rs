@@ -15,10 +15,12 @@ use crate::Store;
 /// The rate-limiting service made by [`RateLimitLayer`](super::RateLimitLayer).
 ///
 /// `poll_ready` is the inner service's. `call` finds the rules that apply and asks the store
-/// about all of them at once (the in-process store answers right there); the inner service is
-/// called only for an admitted request, with the ready service moved into the response future
-/// (a clone takes its place). A refused request is answered with an `Ok` response (429, 503 or
-/// gRPC), so no error handling is needed in axum. The body is never read.
+/// about all of them at once. The in-process store answers right there, so `call` decides and
+/// calls the ready inner service itself; with a store that answers later, the ready inner
+/// service moves into the response future (a clone takes its place) and is called once the
+/// store has admitted the request. A refused request never reaches the inner service and is
+/// answered with an `Ok` response (429, 503 or gRPC), so no error handling is needed in
+/// axum. The body is never read.
 pub struct RateLimit<S, St> {
     inner: S,
     shared: Arc<Shared<St>>,
@@ -77,10 +79,8 @@ where
         self.inner.poll_ready(cx)
     }
 
+    #[inline]
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        // The ready service goes with this request; its clone waits for the next poll_ready.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::start(Arc::clone(&self.shared), inner, request)
+        ResponseFuture::call(&self.shared, &mut self.inner, request)
     }
 }

@@ -58,6 +58,22 @@ impl Key {
         }
     }
 
+    /// Appends the decimal digits of `n`, without the formatting machinery.
+    #[inline]
+    pub(crate) fn push_u64(&mut self, n: u64) {
+        let mut digits = [0u8; 20];
+        let i = write_digits(&mut digits, n);
+        self.bytes.extend_from_slice(&digits[i..]);
+    }
+
+    /// Appends ASCII bytes (the caller's promise; anything else would only make the key read
+    /// as empty, see [`Key::as_str`]).
+    #[inline]
+    pub(crate) fn push_ascii(&mut self, ascii: &[u8]) {
+        debug_assert!(ascii.is_ascii());
+        self.bytes.extend_from_slice(ascii);
+    }
+
     /// The key as a string.
     pub fn as_str(&self) -> &str {
         // Every way of writing a key appends whole UTF-8 strings, so this never fails; an empty
@@ -83,6 +99,20 @@ impl Key {
             len -= 1;
         }
         self.bytes.truncate(len);
+    }
+}
+
+/// Writes the digits of `n` at the end of `out` and returns where they start.
+#[inline]
+pub(crate) fn write_digits(out: &mut [u8; 20], mut n: u64) -> usize {
+    let mut i = out.len();
+    loop {
+        i -= 1;
+        out[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return i;
+        }
     }
 }
 
@@ -128,7 +158,7 @@ impl From<&String> for Key {
 impl From<u64> for Key {
     fn from(n: u64) -> Self {
         let mut key = Key::new();
-        let _ = fmt::Write::write_fmt(&mut key, format_args!("{n}"));
+        key.push_u64(n);
         key
     }
 }
@@ -156,6 +186,19 @@ impl From<u64> for Key {
 pub trait KeyExtractor: Send + Sync + 'static {
     /// The key of this request, if it has one.
     fn extract(&self, parts: &Parts) -> Option<Key>;
+
+    /// Appends this request's key to `out` and returns `true`, or returns `false` and leaves
+    /// `out` as it was. The limiter calls this one, with the rule's name already in `out`; the
+    /// default calls [`KeyExtractor::extract`], the built-in extractors write in place.
+    fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
+        match self.extract(parts) {
+            Some(key) => {
+                out.push_str(key.as_str());
+                true
+            }
+            None => false,
+        }
+    }
 
     /// This extractor, or `other` when this one finds no key.
     fn or<B: KeyExtractor>(self, other: B) -> Or<Self, B>
@@ -194,6 +237,10 @@ impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for Or<A, B> {
     fn extract(&self, parts: &Parts) -> Option<Key> {
         self.0.extract(parts).or_else(|| self.1.extract(parts))
     }
+
+    fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
+        self.0.extract_into(parts, out) || self.1.extract_into(parts, out)
+    }
 }
 
 /// Both extractors' keys joined by `/` ([`KeyExtractor::and`]).
@@ -202,11 +249,21 @@ pub struct And<A, B>(pub A, pub B);
 
 impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for And<A, B> {
     fn extract(&self, parts: &Parts) -> Option<Key> {
-        let mut key = self.0.extract(parts)?;
-        let second = self.1.extract(parts)?;
-        key.push_str("/");
-        key.push_str(second.as_str());
-        Some(key)
+        let mut key = Key::new();
+        self.extract_into(parts, &mut key).then_some(key)
+    }
+
+    fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
+        let len = out.len();
+        if !self.0.extract_into(parts, out) {
+            return false;
+        }
+        out.push_str("/");
+        if !self.1.extract_into(parts, out) {
+            out.bytes.truncate(len);
+            return false;
+        }
+        true
     }
 }
 
@@ -218,6 +275,10 @@ pub struct Global;
 impl KeyExtractor for Global {
     fn extract(&self, _: &Parts) -> Option<Key> {
         Some(Key::new())
+    }
+
+    fn extract_into(&self, _: &Parts, _: &mut Key) -> bool {
+        true
     }
 }
 
@@ -248,11 +309,18 @@ impl Header {
 
 impl KeyExtractor for Header {
     fn extract(&self, parts: &Parts) -> Option<Key> {
-        let value = parts.headers.get(&self.0)?;
-        if value.is_empty() {
-            return None;
+        let mut key = Key::new();
+        self.extract_into(parts, &mut key).then_some(key)
+    }
+
+    fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
+        match parts.headers.get(&self.0) {
+            Some(value) if !value.is_empty() => {
+                out.push_bytes(value.as_bytes());
+                true
+            }
+            _ => false,
         }
-        Some(Key::from_bytes(value.as_bytes()))
     }
 }
 
@@ -312,10 +380,15 @@ where
     T: fmt::Display + Send + Sync + 'static,
 {
     fn extract(&self, parts: &Parts) -> Option<Key> {
-        let value = parts.extensions.get::<T>()?;
         let mut key = Key::new();
-        fmt::Write::write_fmt(&mut key, format_args!("{value}")).ok()?;
-        Some(key)
+        self.extract_into(parts, &mut key).then_some(key)
+    }
+
+    fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
+        match parts.extensions.get::<T>() {
+            Some(value) => fmt::Write::write_fmt(out, format_args!("{value}")).is_ok(),
+            None => false,
+        }
     }
 }
 
@@ -335,6 +408,8 @@ mod tests {
         key.truncate(1); // inside "é": back to the boundary
         assert_eq!(key.as_str(), "");
         assert_eq!(Key::from(42u64).as_str(), "42");
+        assert_eq!(Key::from(0u64).as_str(), "0");
+        assert_eq!(Key::from(u64::MAX).as_str(), u64::MAX.to_string());
         let long = Key::from("x".repeat(200));
         assert_eq!(long.len(), 200);
     }

@@ -24,7 +24,8 @@ static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// The address of the connection the request came on.
 ///
 /// It is read from the request extensions: axum's `ConnectInfo<SocketAddr>` (feature `axum`,
-/// with `into_make_service_with_connect_info::<SocketAddr>()`), or a plain `SocketAddr` or
+/// with `into_make_service_with_connect_info::<SocketAddr>()`, or `MockConnectInfo` in tests),
+/// or a plain `SocketAddr` or
 /// `IpAddr` extension that the server (or a layer of yours) put there. No address is no key.
 ///
 /// IPv6 addresses are grouped by prefix, /64 unless set otherwise, so that one host cannot
@@ -81,6 +82,13 @@ impl PeerIp {
         {
             return Some(info.0.ip());
         }
+        #[cfg(feature = "axum")]
+        if let Some(info) = parts
+            .extensions
+            .get::<axum::extract::connect_info::MockConnectInfo<SocketAddr>>()
+        {
+            return Some(info.0.ip());
+        }
         if let Some(addr) = parts.extensions.get::<SocketAddr>() {
             return Some(addr.ip());
         }
@@ -96,7 +104,19 @@ impl Default for PeerIp {
 
 impl KeyExtractor for PeerIp {
     fn extract(&self, parts: &Parts) -> Option<Key> {
-        Some(self.grouping.key(PeerIp::peer_addr(parts)?))
+        let mut key = Key::new();
+        self.extract_into(parts, &mut key).then_some(key)
+    }
+
+    #[inline]
+    fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
+        match PeerIp::peer_addr(parts) {
+            Some(ip) => {
+                self.grouping.write(ip, out);
+                true
+            }
+            None => false,
+        }
     }
 }
 
@@ -232,7 +252,18 @@ impl Forwarded {
 
 impl KeyExtractor for Forwarded {
     fn extract(&self, parts: &Parts) -> Option<Key> {
-        Some(self.grouping.key(self.client_addr(parts)?))
+        let mut key = Key::new();
+        self.extract_into(parts, &mut key).then_some(key)
+    }
+
+    fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
+        match self.client_addr(parts) {
+            Some(ip) => {
+                self.grouping.write(ip, out);
+                true
+            }
+            None => false,
+        }
     }
 }
 
@@ -346,11 +377,40 @@ impl Grouping {
         v6: DEFAULT_IPV6_PREFIX,
     };
 
+    #[cfg(test)]
     fn key(&self, ip: IpAddr) -> Key {
         let mut key = Key::new();
+        self.write(ip, &mut key);
+        key
+    }
+
+    #[inline]
+    fn write(&self, ip: IpAddr, key: &mut Key) {
         // Writing to a `Key` never fails.
         let _ = match canonical(ip) {
-            IpAddr::V4(v4) if self.v4 >= 32 => write!(key, "{v4}"),
+            IpAddr::V4(v4) if self.v4 >= 32 => {
+                // The common case, without the formatting machinery.
+                let mut text = [0u8; 15];
+                let mut len = 0;
+                for (i, octet) in v4.octets().into_iter().enumerate() {
+                    if i > 0 {
+                        text[len] = b'.';
+                        len += 1;
+                    }
+                    if octet >= 100 {
+                        text[len] = b'0' + octet / 100;
+                        len += 1;
+                    }
+                    if octet >= 10 {
+                        text[len] = b'0' + octet / 10 % 10;
+                        len += 1;
+                    }
+                    text[len] = b'0' + octet % 10;
+                    len += 1;
+                }
+                key.push_ascii(&text[..len]);
+                Ok(())
+            }
             IpAddr::V4(v4) => {
                 let masked = Ipv4Addr::from_bits(v4.to_bits() & mask32(self.v4));
                 write!(key, "{masked}/{}", self.v4)
@@ -361,7 +421,6 @@ impl Grouping {
                 write!(key, "{masked}/{}", self.v6)
             }
         };
-        key
     }
 }
 

@@ -59,7 +59,7 @@ mod plan;
 mod rule;
 mod tier;
 
-pub(crate) use plan::{Applied, NoKey, Plan, Planned};
+pub(crate) use plan::{Applied, NoKey, Plan, ShadowPlan, Start};
 pub use plan::{Limiter, LimiterBuilder, LimiterError, ShadowRejection};
 pub use rule::{MissingKey, Rule};
 pub(crate) use tier::Resolving;

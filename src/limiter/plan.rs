@@ -215,6 +215,8 @@ pub(crate) struct PolicySet {
     pub(crate) policies: Box<[Policy]>,
     /// The name of each policy in the `RateLimit` fields and problem details.
     pub(crate) names: Box<[Arc<str>]>,
+    /// The start of each policy's `RateLimit` item: `"name";r=`.
+    pub(crate) items: Box<[Box<str>]>,
     /// This set's members of the `RateLimit-Policy` field, as text and as a header value.
     pub(crate) field: Box<str>,
     pub(crate) field_value: HeaderValue,
@@ -326,8 +328,10 @@ impl PolicySet {
         }
         let field_value = HeaderValue::from_str(&field)
             .map_err(|_| LimiterError::InvalidRuleName(rule.chars().take(80).collect()))?;
+        let items = names.iter().map(|n| format!("\"{n}\";r=").into()).collect();
         Ok(PolicySet {
             policies: policies.into(),
+            items,
             names,
             field: field.into(),
             field_value,
@@ -360,6 +364,39 @@ pub(crate) struct Applied {
     pub(crate) set: u16,
 }
 
+/// Shadow rules waiting for the enforced decision.
+pub(crate) type ShadowPlan = Box<SmallVec<[Planned; 2]>>;
+
+/// Where a request stands after `call()`.
+pub(crate) enum Start<F> {
+    /// The store was asked about the enforced rules.
+    Checking {
+        check: F,
+        applied: SmallVec<[Applied; 4]>,
+        shadow: Option<ShadowPlan>,
+    },
+    /// No enforced rule applies.
+    Unchecked { shadow: Option<ShadowPlan> },
+    /// A tier must be resolved first.
+    Resolving {
+        plan: Box<Plan>,
+        at: (bool, usize),
+        answer: super::tier::Resolving,
+    },
+    /// A rule found no key and refuses the request.
+    NoKey(NoKey),
+}
+
+fn applied(planned: &[Planned]) -> SmallVec<[Applied; 4]> {
+    planned
+        .iter()
+        .map(|p| Applied {
+            rule: p.rule,
+            set: p.set.unwrap_or(0),
+        })
+        .collect()
+}
+
 /// A request that a rule found no key for, and refuses.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct NoKey {
@@ -370,16 +407,66 @@ pub(crate) struct NoKey {
 pub(crate) type Checks<'a> = SmallVec<[Check<'a>; 8]>;
 
 impl<St: Store> Limiter<St> {
+    /// Plans the request and asks the store about its enforced rules: the decision is made
+    /// here (for the in-process store, the future is ready).
+    #[inline]
+    pub(crate) fn start(&self, parts: &Parts) -> Start<St::Future> {
+        let mut plan = Plan::default();
+        if let Err(no_key) = self.fill(parts, &mut plan) {
+            return Start::NoKey(no_key);
+        }
+        self.proceed(&mut plan)
+    }
+
+    /// Goes on with a plan whose tier was just resolved.
+    pub(crate) fn resume(&self, mut plan: Box<Plan>) -> Start<St::Future> {
+        self.proceed(&mut plan)
+    }
+
+    #[inline]
+    fn proceed(&self, plan: &mut Plan) -> Start<St::Future> {
+        if let Some((shadow, i, answer)) = self.next_unresolved(plan) {
+            return Start::Resolving {
+                plan: Box::new(std::mem::take(plan)),
+                at: (shadow, i),
+                answer,
+            };
+        }
+        let shadow = if plan.shadow.is_empty() {
+            None
+        } else {
+            Some(Box::new(std::mem::take(&mut plan.shadow)))
+        };
+        if plan.enforced.is_empty() {
+            return Start::Unchecked { shadow };
+        }
+        let applied = applied(&plan.enforced);
+        let check = self.store.check_all(&self.checks(&plan.enforced));
+        Start::Checking {
+            check,
+            applied,
+            shadow,
+        }
+    }
+
+    /// Asks the store about the shadow rules.
+    pub(crate) fn check_shadow(&self, shadow: &[Planned]) -> (St::Future, SmallVec<[Applied; 4]>) {
+        (self.store.check_all(&self.checks(shadow)), applied(shadow))
+    }
+
     /// The rules that apply to this request, with keys, costs and (cached) tiers.
     #[inline]
-    pub(crate) fn plan(&self, parts: &Parts) -> Result<Plan, NoKey> {
-        let mut plan = Plan::default();
+    fn fill(&self, parts: &Parts, plan: &mut Plan) -> Result<(), NoKey> {
         for (index, rule) in self.rules.iter().enumerate() {
             if !rule.matches(parts) {
                 continue;
             }
             let index = u16::try_from(index).unwrap_or(u16::MAX);
-            let Some(extracted) = rule.key.extract(parts) else {
+            let mut key = Key::new();
+            key.push_str(&rule.name);
+            key.push_str(":");
+            let prefix = key.len();
+            if !rule.key.extract_into(parts, &mut key) {
                 match rule.missing {
                     MissingKey::Skip => continue,
                     MissingKey::Reject(status) => {
@@ -389,13 +476,22 @@ impl<St: Store> Limiter<St> {
                         });
                     }
                 }
-            };
-            let key = store_key(&rule.name, &extracted);
-            let (set, raw) = match &rule.tiers {
-                None => (Some(0), None),
+            }
+            let mut raw = None;
+            if rule.tiers.is_some() {
+                raw = key.as_str().get(prefix..).map(Box::<str>::from);
+            }
+            if key.len() > MAX_KEY_LEN {
+                key = hashed_key(&rule.name, key.as_str().get(prefix..).unwrap_or_default());
+            }
+            let set = match &rule.tiers {
+                None => Some(0),
                 Some(tiers) => match tiers.cached(key.as_str()) {
-                    Some(tier) => (Some(tier), None),
-                    None => (None, Some(extracted.as_str().into())),
+                    Some(tier) => {
+                        raw = None;
+                        Some(tier)
+                    }
+                    None => None,
                 },
             };
             let planned = Planned {
@@ -411,14 +507,19 @@ impl<St: Store> Limiter<St> {
                 plan.enforced.push(planned);
             }
         }
+        Ok(())
+    }
+
+    /// The plan of a request, for tests.
+    #[cfg(test)]
+    pub(crate) fn plan(&self, parts: &Parts) -> Result<Plan, NoKey> {
+        let mut plan = Plan::default();
+        self.fill(parts, &mut plan)?;
         Ok(plan)
     }
 
     /// The first planned rule whose tier is not known yet, and the resolver's answer to come.
-    pub(crate) fn next_unresolved(
-        &self,
-        plan: &Plan,
-    ) -> Option<(bool, usize, super::tier::Resolving)> {
+    fn next_unresolved(&self, plan: &Plan) -> Option<(bool, usize, super::tier::Resolving)> {
         let find = |list: &[Planned]| list.iter().position(|p| p.set.is_none());
         let (shadow, i) = match find(&plan.enforced) {
             Some(i) => (false, i),
@@ -480,6 +581,19 @@ impl<St: Store> Limiter<St> {
         &rule.sets[usize::from(set).min(rule.sets.len() - 1)]
     }
 
+    /// The start of the `RateLimit` item of check `index` of a stack of `applied` rules.
+    #[inline]
+    pub(crate) fn item(&self, applied: &[Applied], mut index: usize) -> Option<&str> {
+        for a in applied {
+            let set = self.set(a.rule, a.set);
+            if index < set.items.len() {
+                return Some(&set.items[index]);
+            }
+            index -= set.items.len();
+        }
+        None
+    }
+
     /// The rule and policy name behind check `index` of a stack of `applied` rules.
     pub(crate) fn locate(
         &self,
@@ -522,18 +636,25 @@ impl<St: Store> Limiter<St> {
 
 /// The store key of a rule's key: `rule:key`, or `rule:#` and a 128-bit hash of the key when
 /// that would be longer than [`MAX_KEY_LEN`].
-#[inline]
+#[cfg(test)]
 pub(crate) fn store_key(rule: &str, key: &Key) -> Key {
     let mut out = Key::new();
     out.push_str(rule);
     out.push_str(":");
-    if rule.len() + 1 + key.len() <= MAX_KEY_LEN {
-        out.push_str(key.as_str());
-    } else {
-        let a = foldhash::fast::FixedState::with_seed(0x5eed_0001).hash_one(key.as_str());
-        let b = foldhash::fast::FixedState::with_seed(0x5eed_0002).hash_one(key.as_str());
-        let _ = write!(out, "#{a:016x}{b:016x}");
+    out.push_str(key.as_str());
+    if out.len() > MAX_KEY_LEN {
+        out = hashed_key(rule, key.as_str());
     }
+    out
+}
+
+/// `rule:#` and a 128-bit hash of `key` (stable across processes of one build).
+fn hashed_key(rule: &str, key: &str) -> Key {
+    let a = foldhash::fast::FixedState::with_seed(0x5eed_0001).hash_one(key);
+    let b = foldhash::fast::FixedState::with_seed(0x5eed_0002).hash_one(key);
+    let mut out = Key::new();
+    out.push_str(rule);
+    let _ = write!(out, ":#{a:016x}{b:016x}");
     out
 }
 

@@ -179,3 +179,48 @@ impl Store for DownStore {
         std::future::ready(Err(StoreError::Backend(error)))
     }
 }
+
+/// A store that answers on the second poll, as a network store would: it wraps the in-process
+/// store and counts how often it was asked.
+#[derive(Clone, Debug)]
+pub struct LateStore {
+    pub inner: MemoryStore<ManualClock>,
+    pub asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl LateStore {
+    pub fn new(inner: MemoryStore<ManualClock>) -> Self {
+        Self {
+            inner,
+            asked: Default::default(),
+        }
+    }
+}
+
+/// Ready on the second poll (it wakes itself after the first).
+pub struct Late(Option<Result<Decision, StoreError>>, bool);
+
+impl std::future::Future for Late {
+    type Output = Result<Decision, StoreError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        if !self.1 {
+            self.1 = true;
+            cx.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        std::task::Poll::Ready(self.0.take().expect("polled after completion"))
+    }
+}
+
+impl Store for LateStore {
+    type Future = Late;
+
+    fn check_all(&self, checks: &[Check<'_>]) -> Late {
+        self.asked.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Late(Some(self.inner.check_all_now(checks)), false)
+    }
+}
