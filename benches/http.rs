@@ -191,6 +191,22 @@ fn interleaved() {
 criterion_group!(benches, bench);
 
 fn main() {
+    // `HTTP_BENCH_ONLY=<index> HTTP_BENCH_N=<n>`: just n requests to one app, for counting
+    // instructions with `perf stat` (two runs with different n: the difference is per request).
+    if let (Ok(index), Ok(n)) = (
+        std::env::var("HTTP_BENCH_ONLY"),
+        std::env::var("HTTP_BENCH_N"),
+    ) {
+        let apps = apps();
+        let (Ok(index), Ok(n)) = (index.parse::<usize>(), n.parse::<u64>()) else {
+            return;
+        };
+        if let Some((name, app)) = apps.get(index) {
+            let took = run(&runtime(), app, n);
+            println!("{name}: {n} requests in {took:?}");
+        }
+        return;
+    }
     benches();
     Criterion::default().configure_from_args().final_summary();
     if !std::env::args().any(|a| a == "--test" || a == "--list") {

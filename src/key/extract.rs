@@ -3,9 +3,9 @@
 use std::fmt;
 use std::marker::PhantomData;
 
+use arrayvec::ArrayString;
 use http::HeaderName;
 use http::request::Parts;
-use smallvec::SmallVec;
 
 /// A request's key: a short UTF-8 string, stored inline up to 64 bytes (no allocation for an
 /// address, a user id or a typical API key).
@@ -18,16 +18,26 @@ use smallvec::SmallVec;
 /// assert_eq!(key.as_str(), "tenant-7:user-42");
 /// assert_eq!(Key::from_bytes(b"\xff\x00").as_str(), "0xff00"); // not UTF-8: hex
 /// ```
-#[derive(Clone, Default, PartialEq, Eq, Hash)]
+#[derive(Clone)]
 pub struct Key {
-    /// Always valid UTF-8.
-    bytes: SmallVec<[u8; 64]>,
+    repr: Repr,
 }
+
+#[derive(Clone)]
+enum Repr {
+    Inline(ArrayString<INLINE>),
+    Heap(String),
+}
+
+/// Bytes of a key kept inline.
+const INLINE: usize = 64;
 
 impl Key {
     /// An empty key.
-    pub fn new() -> Self {
-        Self::default()
+    pub const fn new() -> Self {
+        Self {
+            repr: Repr::Inline(ArrayString::new_const()),
+        }
     }
 
     /// The key for arbitrary bytes: the bytes themselves when they are UTF-8, otherwise `0x`
@@ -39,8 +49,19 @@ impl Key {
     }
 
     /// Appends a string.
+    #[inline]
     pub fn push_str(&mut self, s: &str) {
-        self.bytes.extend_from_slice(s.as_bytes());
+        match &mut self.repr {
+            Repr::Inline(inline) => {
+                if inline.try_push_str(s).is_err() {
+                    let mut heap = String::with_capacity(inline.len() + s.len());
+                    heap.push_str(inline);
+                    heap.push_str(s);
+                    self.repr = Repr::Heap(heap);
+                }
+            }
+            Repr::Heap(heap) => heap.push_str(s),
+        }
     }
 
     /// Appends bytes: as they are when UTF-8, otherwise as `0x` and their hex digits.
@@ -49,10 +70,14 @@ impl Key {
             Ok(s) => self.push_str(s),
             Err(_) => {
                 const HEX: &[u8; 16] = b"0123456789abcdef";
-                self.bytes.extend_from_slice(b"0x");
-                for b in bytes {
-                    self.bytes.push(HEX[usize::from(b >> 4)]);
-                    self.bytes.push(HEX[usize::from(b & 0xf)]);
+                self.push_str("0x");
+                for chunk in bytes.chunks(32) {
+                    let mut hex = [0u8; 64];
+                    for (i, b) in chunk.iter().enumerate() {
+                        hex[2 * i] = HEX[usize::from(b >> 4)];
+                        hex[2 * i + 1] = HEX[usize::from(b & 0xf)];
+                    }
+                    self.push_str(std::str::from_utf8(&hex[..2 * chunk.len()]).unwrap_or_default());
                 }
             }
         }
@@ -63,42 +88,60 @@ impl Key {
     pub(crate) fn push_u64(&mut self, n: u64) {
         let mut digits = [0u8; 20];
         let i = write_digits(&mut digits, n);
-        self.bytes.extend_from_slice(&digits[i..]);
-    }
-
-    /// Appends ASCII bytes (the caller's promise; anything else would only make the key read
-    /// as empty, see [`Key::as_str`]).
-    #[inline]
-    pub(crate) fn push_ascii(&mut self, ascii: &[u8]) {
-        debug_assert!(ascii.is_ascii());
-        self.bytes.extend_from_slice(ascii);
+        self.push_str(std::str::from_utf8(&digits[i..]).unwrap_or_default());
     }
 
     /// The key as a string.
+    #[inline]
     pub fn as_str(&self) -> &str {
-        // Every way of writing a key appends whole UTF-8 strings, so this never fails; an empty
-        // key would be the harmless answer if it ever did.
-        std::str::from_utf8(&self.bytes).unwrap_or_default()
+        match &self.repr {
+            Repr::Inline(inline) => inline,
+            Repr::Heap(heap) => heap,
+        }
     }
 
     /// The length in bytes.
+    #[inline]
     pub fn len(&self) -> usize {
-        self.bytes.len()
+        self.as_str().len()
     }
 
     /// Whether the key is empty.
     pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
+        self.as_str().is_empty()
     }
 
     /// Shortens the key to `len` bytes if it is longer, at a character boundary at or below
     /// `len`.
     pub fn truncate(&mut self, len: usize) {
-        let mut len = len.min(self.bytes.len());
+        let mut len = len.min(self.len());
         while len > 0 && !self.as_str().is_char_boundary(len) {
             len -= 1;
         }
-        self.bytes.truncate(len);
+        match &mut self.repr {
+            Repr::Inline(inline) => inline.truncate(len),
+            Repr::Heap(heap) => heap.truncate(len),
+        }
+    }
+}
+
+impl Default for Key {
+    fn default() -> Self {
+        Key::new()
+    }
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for Key {}
+
+impl std::hash::Hash for Key {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
     }
 }
 
@@ -260,7 +303,7 @@ impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for And<A, B> {
         }
         out.push_str("/");
         if !self.1.extract_into(parts, out) {
-            out.bytes.truncate(len);
+            out.truncate(len);
             return false;
         }
         true

@@ -364,6 +364,26 @@ fn canonical(ip: IpAddr) -> IpAddr {
     ip.to_canonical()
 }
 
+/// The decimal text of every octet: up to three digits and their count.
+static OCTETS: [[u8; 4]; 256] = octets();
+
+const fn octets() -> [[u8; 4]; 256] {
+    let mut table = [[0u8; 4]; 256];
+    let mut i = 0;
+    while i < 256 {
+        let n = i as u8;
+        table[i] = if n >= 100 {
+            [b'0' + n / 100, b'0' + n / 10 % 10, b'0' + n % 10, 3]
+        } else if n >= 10 {
+            [b'0' + n / 10, b'0' + n % 10, 0, 2]
+        } else {
+            [b'0' + n, 0, 0, 1]
+        };
+        i += 1;
+    }
+    table
+}
+
 /// How addresses become keys.
 #[derive(Clone, Copy, Debug)]
 struct Grouping {
@@ -397,18 +417,11 @@ impl Grouping {
                         text[len] = b'.';
                         len += 1;
                     }
-                    if octet >= 100 {
-                        text[len] = b'0' + octet / 100;
-                        len += 1;
-                    }
-                    if octet >= 10 {
-                        text[len] = b'0' + octet / 10 % 10;
-                        len += 1;
-                    }
-                    text[len] = b'0' + octet % 10;
-                    len += 1;
+                    let [a, b, c, n] = OCTETS[usize::from(octet)];
+                    text[len..len + 3].copy_from_slice(&[a, b, c]);
+                    len += usize::from(n);
                 }
-                key.push_ascii(&text[..len]);
+                key.push_str(std::str::from_utf8(&text[..len]).unwrap_or_default());
                 Ok(())
             }
             IpAddr::V4(v4) => {
@@ -639,5 +652,8 @@ mod tests {
             "0.0.0.0/0"
         );
         assert_eq!(PeerIp::new().ipv6_prefix(200).grouping.v6, 128);
+        for ip in ["0.0.0.0", "255.255.255.255", "10.9.99.100", "1.22.203.4"] {
+            assert_eq!(Grouping::DEFAULT.key(ip.parse().unwrap()).as_str(), ip);
+        }
     }
 }
