@@ -78,16 +78,34 @@ fn request() -> Request<Body> {
     Request::get("/").body(Body::empty()).unwrap_or_default()
 }
 
-/// A router, or a service wrapped around a whole router (no per-route boxing by axum).
+/// A router, or a service wrapped around a whole router (no per-route boxing by axum), or
+/// a trivial service alone and with the layer (the layer's own cost, without axum).
 #[derive(Clone)]
 enum App {
     Router(Router),
     Outside(RateLimit<Router, MemoryStore>),
+    Trivial,
+    TrivialLimited(RateLimit<Trivial, MemoryStore>),
+}
+
+type Trivial = tower::util::ServiceFn<
+    fn(Request<Body>) -> std::future::Ready<Result<http::Response<Body>, Infallible>>,
+>;
+
+fn trivial() -> Trivial {
+    fn answer(_: Request<Body>) -> std::future::Ready<Result<http::Response<Body>, Infallible>> {
+        std::future::ready(Ok(http::Response::new(Body::empty())))
+    }
+    tower::service_fn(answer as fn(_) -> _)
 }
 
 async fn once(app: &App) -> Result<StatusCode, Infallible> {
     match app {
         App::Router(router) => Ok(router.clone().oneshot(request()).await?.status()),
+        App::Trivial => Ok(trivial().oneshot(with_connect_info()).await?.status()),
+        App::TrivialLimited(service) => {
+            Ok(service.clone().oneshot(with_connect_info()).await?.status())
+        }
         App::Outside(service) => {
             // What the router's extension layer does for the others.
             let mut request = request();
@@ -109,6 +127,23 @@ fn tollgate_outside() -> App {
     App::Outside(ServiceBuilder::new().layer(layer).service(hello()))
 }
 
+fn with_connect_info() -> Request<Body> {
+    let mut request = request();
+    request.extensions_mut().insert(ConnectInfo(PEER));
+    request
+}
+
+fn trivial_limited() -> App {
+    let policy = Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)
+        .and_then(|p| p.named("per-ip"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(Rule::new("per-ip").key(PeerIp::new()).policy(policy))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    App::TrivialLimited(ServiceBuilder::new().layer(layer).service(trivial()))
+}
+
 fn apps() -> Vec<(&'static str, App)> {
     vec![
         ("bare axum", App::Router(bare())),
@@ -120,6 +155,8 @@ fn apps() -> Vec<(&'static str, App)> {
         ),
         ("tollgate around router", tollgate_outside()),
         ("tower_governor", App::Router(governor())),
+        ("trivial service", App::Trivial),
+        ("trivial + tollgate", trivial_limited()),
     ]
 }
 

@@ -136,23 +136,23 @@ fn unix_now() -> u64 {
 /// own buffer is the only allocation.
 #[inline]
 fn status_value(item: &str, r: u64, t: u64) -> Option<HeaderValue> {
-    let mut text = [0u8; 128];
     let item = item.as_bytes();
-    // Names are at most 64 characters: `"name";r=` always fits with 2 x 20 digits.
-    let head = text.get_mut(..item.len())?;
+    let mut digits = itoa::Buffer::new();
+    let r = digits.format(r).as_bytes();
+    let mut t_digits = itoa::Buffer::new();
+    let t = t_digits.format(t).as_bytes();
+    let len = item.len() + r.len() + 3 + t.len();
+    let mut text = [0u8; 160];
+    // Names are at most 64 characters: this always fits.
+    let out = text.get_mut(..len)?;
+    let (head, rest) = out.split_at_mut(item.len());
     head.copy_from_slice(item);
-    let mut len = item.len();
-    let mut digits = [0u8; 20];
-    for (separator, n) in [(&b""[..], r), (&b";t="[..], t)] {
-        text.get_mut(len..len + separator.len())?
-            .copy_from_slice(separator);
-        len += separator.len();
-        let start = crate::key::write_digits(&mut digits, n);
-        let d = &digits[start..];
-        text.get_mut(len..len + d.len())?.copy_from_slice(d);
-        len += d.len();
-    }
-    HeaderValue::from_bytes(&text[..len]).ok()
+    let (r_out, rest) = rest.split_at_mut(r.len());
+    r_out.copy_from_slice(r);
+    let (sep, t_out) = rest.split_at_mut(3);
+    sep.copy_from_slice(b";t=");
+    t_out.copy_from_slice(t);
+    HeaderValue::from_bytes(out).ok()
 }
 
 /// `t`: seconds until full recovery when admitted, until the retry when refused.

@@ -86,9 +86,7 @@ impl Key {
     /// Appends the decimal digits of `n`, without the formatting machinery.
     #[inline]
     pub(crate) fn push_u64(&mut self, n: u64) {
-        let mut digits = [0u8; 20];
-        let i = write_digits(&mut digits, n);
-        self.push_str(std::str::from_utf8(&digits[i..]).unwrap_or_default());
+        self.push_str(itoa::Buffer::new().format(n));
     }
 
     /// The key as a string.
@@ -142,20 +140,6 @@ impl Eq for Key {}
 impl std::hash::Hash for Key {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         self.as_str().hash(state);
-    }
-}
-
-/// Writes the digits of `n` at the end of `out` and returns where they start.
-#[inline]
-pub(crate) fn write_digits(out: &mut [u8; 20], mut n: u64) -> usize {
-    let mut i = out.len();
-    loop {
-        i -= 1;
-        out[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return i;
-        }
     }
 }
 

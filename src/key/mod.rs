@@ -45,7 +45,6 @@
 mod extract;
 mod ip;
 
-pub(crate) use extract::write_digits;
 pub use extract::{And, Extension, Global, Header, Key, KeyExtractor, Or};
 pub use ip::{DEFAULT_IPV6_PREFIX, Forwarded, InvalidNetwork, PeerIp};
 

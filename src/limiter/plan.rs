@@ -199,6 +199,8 @@ impl std::error::Error for LimiterError {}
 /// A rule ready to run.
 pub(crate) struct CompiledRule {
     pub(crate) name: Arc<str>,
+    /// `name:`, the start of every store key of the rule.
+    prefix: Box<str>,
     methods: SmallVec<[Method; 2]>,
     route: Route,
     key: Box<dyn KeyExtractor>,
@@ -270,6 +272,7 @@ impl CompiledRule {
             }
         };
         Ok(CompiledRule {
+            prefix: format!("{name}:").into(),
             name,
             methods: rule.methods,
             route: rule.route,
@@ -355,6 +358,8 @@ pub(crate) struct Planned {
 pub(crate) struct Plan {
     pub(crate) enforced: SmallVec<[Planned; 4]>,
     pub(crate) shadow: SmallVec<[Planned; 2]>,
+    /// Whether a planned rule waits for its tier.
+    unresolved: bool,
 }
 
 /// Which rule and policy set an enforced check came from.
@@ -425,23 +430,32 @@ impl<St: Store> Limiter<St> {
 
     #[inline]
     fn proceed(&self, plan: &mut Plan) -> Start<St::Future> {
-        if let Some((shadow, i, answer)) = self.next_unresolved(plan) {
-            return Start::Resolving {
-                plan: Box::new(std::mem::take(plan)),
-                at: (shadow, i),
-                answer,
-            };
+        if plan.unresolved {
+            if let Some((shadow, i, answer)) = self.next_unresolved(plan) {
+                return Start::Resolving {
+                    plan: Box::new(std::mem::take(plan)),
+                    at: (shadow, i),
+                    answer,
+                };
+            }
+            plan.unresolved = false;
         }
         let shadow = if plan.shadow.is_empty() {
             None
         } else {
             Some(Box::new(std::mem::take(&mut plan.shadow)))
         };
-        if plan.enforced.is_empty() {
-            return Start::Unchecked { shadow };
-        }
         let applied = applied(&plan.enforced);
-        let check = self.store.check_all(&self.checks(&plan.enforced));
+        let check = match plan.enforced.as_slice() {
+            [] => return Start::Unchecked { shadow },
+            // One rule with one policy: no stack to build.
+            [one] if self.set(one.rule, one.set.unwrap_or(0)).policies.len() == 1 => {
+                let policy = &self.set(one.rule, one.set.unwrap_or(0)).policies[0];
+                self.store
+                    .check(one.key.as_str(), policy, one.cost.min(policy.limit()))
+            }
+            enforced => self.store.check_all(&self.checks(enforced)),
+        };
         Start::Checking {
             check,
             applied,
@@ -463,8 +477,7 @@ impl<St: Store> Limiter<St> {
             }
             let index = u16::try_from(index).unwrap_or(u16::MAX);
             let mut key = Key::new();
-            key.push_str(&rule.name);
-            key.push_str(":");
+            key.push_str(&rule.prefix);
             let prefix = key.len();
             if !rule.key.extract_into(parts, &mut key) {
                 match rule.missing {
@@ -491,7 +504,10 @@ impl<St: Store> Limiter<St> {
                         raw = None;
                         Some(tier)
                     }
-                    None => None,
+                    None => {
+                        plan.unresolved = true;
+                        None
+                    }
                 },
             };
             let planned = Planned {
