@@ -156,6 +156,10 @@ fn apps() -> Vec<(&'static str, App)> {
         ("tollgate around router", tollgate_outside()),
         ("tower_governor", App::Router(governor())),
         ("trivial service", App::Trivial),
+        (
+            "tollgate, no decision ext.",
+            App::Router(tollgate(HeaderProfile::Ietf, false)),
+        ),
         ("trivial + tollgate", trivial_limited()),
     ]
 }

@@ -122,7 +122,8 @@ async fn refusals_are_429_with_retry_after_no_store_and_a_problem() {
     );
     assert_eq!(problem["status"], 429);
     assert!(problem["title"].as_str().unwrap().contains("quota"));
-    assert!(problem["detail"].as_str().unwrap().contains("burst"));
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(detail.contains("\"burst\" allows 3 per 3 s"), "{detail}");
     assert_eq!(problem["violated-policies"], serde_json::json!(["burst"]));
     assert_eq!(problem["retry-after"], 1);
 

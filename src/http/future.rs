@@ -465,14 +465,15 @@ impl<St: Store> Shared<St> {
 
     /// The answer to a request a policy refused.
     fn limited(&self, parts: &Parts, decision: &Decision, applied: &[Applied]) -> Response<Bytes> {
-        let located = self.limiter.locate(applied, decision.index());
+        let located = self.limiter.locate_policy(applied, decision.index());
         let rejection = Rejection {
             kind: RejectionKind::Limited,
             parts,
             status: http::StatusCode::TOO_MANY_REQUESTS,
             decision: Some(*decision),
-            rule: located.map(|(r, _)| r),
-            policy: located.map(|(_, p)| &**p),
+            rule: located.map(|(r, _, _)| r),
+            policy: located.map(|(_, p, _)| &**p),
+            window: located.map(|(_, _, p)| p.window()),
             retry_after: decision.retry_after(),
             error: None,
         };
@@ -492,6 +493,7 @@ impl<St: Store> Shared<St> {
             decision: None,
             rule: None,
             policy: None,
+            window: None,
             retry_after: Some(self.unavailable_retry_after),
             error: Some(error),
         })
@@ -511,6 +513,7 @@ impl<St: Store> Shared<St> {
             decision: None,
             rule,
             policy: None,
+            window: None,
             retry_after: None,
             error: None,
         })

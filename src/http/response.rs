@@ -185,6 +185,7 @@ pub struct Rejection<'a> {
     pub(crate) decision: Option<Decision>,
     pub(crate) rule: Option<&'a str>,
     pub(crate) policy: Option<&'a str>,
+    pub(crate) window: Option<Duration>,
     pub(crate) retry_after: Option<Duration>,
     pub(crate) error: Option<&'a StoreError>,
 }
@@ -224,6 +225,12 @@ impl<'a> Rejection<'a> {
     /// The name of the policy that refused, as the `RateLimit` fields show it.
     pub fn policy(&self) -> Option<&'a str> {
         self.policy
+    }
+
+    /// The span the refusing policy's limit is about (its window, or for a bucket the time
+    /// an empty burst takes to refill), as in `RateLimit-Policy`'s `w`.
+    pub fn policy_window(&self) -> Option<Duration> {
+        self.window
     }
 
     /// How long the client should wait: the exact time for a limit, the configured time for an
@@ -324,13 +331,13 @@ fn problem_response(r: &Rejection<'_>) -> Response<Bytes> {
             body.push_str(",\"title\":");
             json_string(&mut body, QUOTA_EXCEEDED_TITLE);
             let _ = write!(body, ",\"status\":{},\"detail\":", status.as_u16());
-            let detail = match r.decision {
-                Some(d) => format!(
-                    "Policy \"{policy}\" allows {} per {} and this request would exceed it; retry in {secs} s.",
+            let detail = match (r.decision, r.window) {
+                (Some(d), Some(w)) => format!(
+                    "Policy \"{policy}\" allows {} per {}; this request would exceed it. Retry in {secs} s.",
                     d.limit(),
-                    HumanSecs(r.decision.map_or(0, |d| d.reset_after_secs()).max(1)),
+                    HumanSecs(w.as_nanos().div_ceil(1_000_000_000).max(1)),
                 ),
-                None => format!("Policy \"{policy}\" refused this request; retry in {secs} s."),
+                _ => format!("Policy \"{policy}\" refused this request. Retry in {secs} s."),
             };
             json_string(&mut body, &detail);
             body.push_str(",\"violated-policies\":[");
@@ -374,7 +381,7 @@ fn problem_response(r: &Rejection<'_>) -> Response<Bytes> {
 }
 
 /// Seconds as "60 s".
-struct HumanSecs(u64);
+struct HumanSecs(u128);
 
 impl fmt::Display for HumanSecs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

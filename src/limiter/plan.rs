@@ -611,16 +611,22 @@ impl<St: Store> Limiter<St> {
     }
 
     /// The rule and policy name behind check `index` of a stack of `applied` rules.
-    pub(crate) fn locate(
+    pub(crate) fn locate(&self, applied: &[Applied], index: usize) -> Option<(&str, &Arc<str>)> {
+        self.locate_policy(applied, index)
+            .map(|(rule, name, _)| (rule, name))
+    }
+
+    /// The rule, policy name and policy behind check `index` of a stack of `applied` rules.
+    pub(crate) fn locate_policy(
         &self,
         applied: &[Applied],
         mut index: usize,
-    ) -> Option<(&str, &Arc<str>)> {
+    ) -> Option<(&str, &Arc<str>, &Policy)> {
         for a in applied {
             let set = self.set(a.rule, a.set);
             if index < set.names.len() {
                 let rule = &self.rules[usize::from(a.rule)];
-                return Some((&rule.name, &set.names[index]));
+                return Some((&rule.name, &set.names[index], &set.policies[index]));
             }
             index -= set.names.len();
         }
