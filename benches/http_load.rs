@@ -23,8 +23,8 @@ use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 
-const ROUNDS: usize = 3;
-const SECONDS: u32 = 5;
+const ROUNDS: usize = 7;
+const SECONDS: u32 = 3;
 const CONNECTIONS: u32 = 32;
 
 fn hello() -> Router {
