@@ -357,7 +357,7 @@ pub(crate) struct Planned {
 #[derive(Default)]
 pub(crate) struct Plan {
     pub(crate) enforced: SmallVec<[Planned; 4]>,
-    pub(crate) shadow: SmallVec<[Planned; 2]>,
+    pub(crate) shadow: Vec<Planned>,
     /// Whether a planned rule waits for its tier.
     unresolved: bool,
 }
@@ -370,7 +370,7 @@ pub(crate) struct Applied {
 }
 
 /// Shadow rules waiting for the enforced decision.
-pub(crate) type ShadowPlan = Box<SmallVec<[Planned; 2]>>;
+pub(crate) type ShadowPlan = Vec<Planned>;
 
 /// Where a request stands after `call()`.
 pub(crate) enum Start<F> {
@@ -443,7 +443,7 @@ impl<St: Store> Limiter<St> {
         let shadow = if plan.shadow.is_empty() {
             None
         } else {
-            Some(Box::new(std::mem::take(&mut plan.shadow)))
+            Some(std::mem::take(&mut plan.shadow))
         };
         let applied = applied(&plan.enforced);
         let check = match plan.enforced.as_slice() {
