@@ -1,6 +1,6 @@
-//! Loopback load: three hello-world axum servers (bare, with tollgate's layer, with
-//! tower_governor's `GovernorLayer`) driven by `wrk` in the same run, in alternation, for
-//! requests per second and the 99th percentile latency.
+//! Loopback load: hello-world axum servers (bare, with tollgate's layer, with it but no
+//! rate-limit fields, with tower_governor's `GovernorLayer`) driven by `wrk` in the same run,
+//! in alternation, for requests per second and the 99th percentile latency.
 //!
 //! ```sh
 //! apt-get install -y wrk          # Debian's wrk
@@ -8,7 +8,7 @@
 //! ```
 //!
 //! The servers share one tokio worker thread, wrk gets one thread: on a two-core machine each
-//! side has a core. Every run is bounded: `ROUNDS` x 3 servers x `SECONDS` seconds.
+//! side has a core. Every run is bounded: `ROUNDS` x 4 servers x `SECONDS` seconds.
 #![allow(missing_docs)]
 
 use std::net::SocketAddr;
@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::get;
+use tollgate::http::HeaderProfile;
 use tollgate::key::PeerIp;
 use tollgate::limiter::Rule;
 use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
@@ -31,16 +32,24 @@ fn hello() -> Router {
     Router::new().route("/", get(|| async { "Hello, World!" }))
 }
 
-fn tollgate() -> Router {
-    // A limit nobody reaches, so every request is admitted and carries the IETF fields.
+fn layer(profile: HeaderProfile) -> RateLimitLayer<MemoryStore> {
+    // A limit nobody reaches, so every request is admitted (and carries the fields).
     let policy = Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)
         .and_then(|p| p.named("per-ip"))
         .unwrap_or_else(|e| panic!("{e}"));
-    let layer = RateLimitLayer::builder(MemoryStore::new())
+    RateLimitLayer::builder(MemoryStore::new())
         .rule(Rule::new("per-ip").key(PeerIp::new()).policy(policy))
+        .headers(profile)
         .build()
-        .unwrap_or_else(|e| panic!("{e}"));
-    hello().layer(layer)
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn tollgate() -> Router {
+    hello().layer(layer(HeaderProfile::Ietf))
+}
+
+fn tollgate_no_fields() -> Router {
+    hello().layer(layer(HeaderProfile::Off))
 }
 
 fn governor() -> Router {
@@ -113,6 +122,7 @@ fn main() {
         for (name, app) in [
             ("bare axum", hello()),
             ("tollgate", tollgate()),
+            ("tollgate, no fields", tollgate_no_fields()),
             ("tower_governor", governor()),
         ] {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -132,7 +142,7 @@ fn main() {
         for (i, (name, addr)) in servers.iter().enumerate() {
             match wrk(*addr) {
                 Some((rps, p99)) => {
-                    println!("round {round}: {name:<15} {rps:>9.0} req/s  p99 {p99:>7.0} us");
+                    println!("round {round}: {name:<20} {rps:>9.0} req/s  p99 {p99:>7.0} us");
                     results[i].0.push(rps);
                     results[i].1.push(p99);
                 }
@@ -152,7 +162,7 @@ fn main() {
         }
         let (rps, p99) = (median(rps), median(p99));
         println!(
-            "  {name:<15} {rps:>9.0} req/s ({:.3}x bare)  p99 {p99:>6.0} us",
+            "  {name:<20} {rps:>9.0} req/s ({:.3}x bare)  p99 {p99:>6.0} us",
             rps / bare_rps
         );
     }
