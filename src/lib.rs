@@ -26,9 +26,13 @@ pub struct ReadmeDoctests;
 pub mod algorithm;
 pub mod clock;
 mod decision;
+pub mod http;
+pub mod key;
+pub mod limiter;
 mod policy;
 pub mod store;
 
+pub use self::http::RateLimitLayer;
 pub use decision::Decision;
 pub use policy::{Algorithm, MAX_NAME_LEN, MAX_SLIDING_LOG_LIMIT, Policy, PolicyError, Rate};
 #[cfg(feature = "redis")]

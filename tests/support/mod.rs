@@ -1,8 +1,14 @@
-//! Shared by the integration tests: real `redis-server` processes on free loopback ports, and
-//! the table of test vectors that runs against both the Rust algorithms and the Lua scripts.
-#![allow(dead_code, unreachable_pub)]
+//! Shared by the integration tests: real `redis-server` processes on free loopback ports, the
+//! table of test vectors that runs against both the Rust algorithms and the Lua scripts, and
+//! (in `web`) a real axum server, a real HTTP client, failing stores and Structured Fields
+//! readers for the HTTP tests.
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
+pub mod grpc;
 pub mod vectors;
+mod web;
+
+pub use web::*;
 
 use std::net::TcpListener;
 use std::path::PathBuf;

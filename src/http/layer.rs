@@ -1,0 +1,175 @@
+//! The layer: configuration only.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tower_layer::Layer;
+
+use super::response::{DefaultResponder, HeaderProfile, ResetFormat, Responder};
+use super::service::RateLimit;
+use crate::Store;
+use crate::limiter::{Limiter, LimiterBuilder, LimiterError, Rule, ShadowRejection};
+
+/// The default `Retry-After` of a 503 sent because the store could not decide.
+pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Applies a [`Limiter`]'s rules to every request of an HTTP service (see the
+/// [module docs](crate::http)).
+///
+/// The limiter and the options live in one `Arc` made when the layer is built: cloning the
+/// layer, applying it to many routes (axum's `Router::layer` does, once per route) or cloning
+/// the services it makes shares one set of limits.
+pub struct RateLimitLayer<St> {
+    shared: Arc<Shared<St>>,
+}
+
+/// What every service of one layer shares.
+pub(crate) struct Shared<St> {
+    pub(crate) limiter: Limiter<St>,
+    pub(crate) profile: HeaderProfile,
+    pub(crate) reset: ResetFormat,
+    pub(crate) responder: Box<dyn Responder>,
+    pub(crate) unavailable_retry_after: Duration,
+    pub(crate) decision_extension: bool,
+}
+
+impl<St: Store> RateLimitLayer<St> {
+    /// A builder of rules over `store`, with the options of the answers.
+    pub fn builder(store: St) -> RateLimitLayerBuilder<St> {
+        RateLimitLayerBuilder {
+            limiter: Limiter::builder(store),
+            profile: HeaderProfile::default(),
+            reset: ResetFormat::default(),
+            responder: Box::new(DefaultResponder),
+            unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
+            decision_extension: true,
+        }
+    }
+
+    /// The layer of a limiter built on its own, with the default answers.
+    pub fn new(limiter: Limiter<St>) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                limiter,
+                profile: HeaderProfile::default(),
+                reset: ResetFormat::default(),
+                responder: Box::new(DefaultResponder),
+                unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
+                decision_extension: true,
+            }),
+        }
+    }
+
+    /// The limiter.
+    pub fn limiter(&self) -> &Limiter<St> {
+        &self.shared.limiter
+    }
+}
+
+impl<St> Clone for RateLimitLayer<St> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<St> fmt::Debug for RateLimitLayer<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("limiter", &self.shared.limiter)
+            .field("profile", &self.shared.profile)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St> Layer<S> for RateLimitLayer<St> {
+    type Service = RateLimit<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::from_shared(inner, Arc::clone(&self.shared))
+    }
+}
+
+/// Builds a [`RateLimitLayer`]: rules (as [`LimiterBuilder`] takes them) and the options of the
+/// answers.
+pub struct RateLimitLayerBuilder<St> {
+    limiter: LimiterBuilder<St>,
+    profile: HeaderProfile,
+    reset: ResetFormat,
+    responder: Box<dyn Responder>,
+    unavailable_retry_after: Duration,
+    decision_extension: bool,
+}
+
+impl<St: Store> RateLimitLayerBuilder<St> {
+    /// Adds a rule.
+    pub fn rule(mut self, rule: Rule) -> Self {
+        self.limiter = self.limiter.rule(rule);
+        self
+    }
+
+    /// See [`LimiterBuilder::on_shadow_rejection`].
+    pub fn on_shadow_rejection<F>(mut self, observer: F) -> Self
+    where
+        F: Fn(&ShadowRejection) + Send + Sync + 'static,
+    {
+        self.limiter = self.limiter.on_shadow_rejection(observer);
+        self
+    }
+
+    /// Which rate-limit fields responses carry ([`HeaderProfile::Ietf`] by default).
+    pub fn headers(mut self, profile: HeaderProfile) -> Self {
+        self.profile = profile;
+        self
+    }
+
+    /// How `X-RateLimit-Reset` tells the time, for the legacy profiles.
+    pub fn legacy_reset(mut self, format: ResetFormat) -> Self {
+        self.reset = format;
+        self
+    }
+
+    /// Answers refused requests with `responder` instead of [`DefaultResponder`].
+    pub fn responder(mut self, responder: impl Responder) -> Self {
+        self.responder = Box::new(responder);
+        self
+    }
+
+    /// The `Retry-After` of a 503 sent because the store failed (1 s by default).
+    pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
+        self.unavailable_retry_after = after;
+        self
+    }
+
+    /// Whether the decision of an admitted request is put into its extensions for the handler
+    /// (yes by default; it costs one small allocation per request).
+    pub fn decision_extension(mut self, insert: bool) -> Self {
+        self.decision_extension = insert;
+        self
+    }
+
+    /// Validates the rules and builds the layer.
+    pub fn build(self) -> Result<RateLimitLayer<St>, LimiterError> {
+        Ok(RateLimitLayer {
+            shared: Arc::new(Shared {
+                limiter: self.limiter.build()?,
+                profile: self.profile,
+                reset: self.reset,
+                responder: self.responder,
+                unavailable_retry_after: self.unavailable_retry_after,
+                decision_extension: self.decision_extension,
+            }),
+        })
+    }
+}
+
+impl<St> fmt::Debug for RateLimitLayerBuilder<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayerBuilder")
+            .field("limiter", &self.limiter)
+            .field("profile", &self.profile)
+            .finish_non_exhaustive()
+    }
+}

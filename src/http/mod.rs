@@ -1,0 +1,87 @@
+//! The HTTP layer: [`RateLimitLayer`] runs a [`Limiter`](crate::limiter::Limiter)'s rules in
+//! front of any tower HTTP service (axum, tonic, hyper) and answers with what clients
+//! understand.
+//!
+//! - **Admitted** requests reach the inner service with their [`Decision`](crate::Decision)
+//!   in the request extensions, and the response gains the IETF `RateLimit-Policy` and
+//!   `RateLimit` fields (or the legacy `X-RateLimit-*` trio, or both, or none: see
+//!   [`HeaderProfile`]).
+//! - **Refused** requests never reach it: `429 Too Many Requests` with `Retry-After`,
+//!   `Cache-Control: no-store` and an RFC 9457 `application/problem+json` body; a store that
+//!   cannot decide gives `503` with `Retry-After`; a gRPC request gets HTTP 200 with
+//!   `grpc-status` 8 or 14 instead. The answer is pluggable ([`Responder`]).
+//!
+//! The layer is `Clone + Send + Sync`, keeps one set of limits however many routes axum
+//! applies it to (`Router::layer`, `Router::route_layer`, `ServiceBuilder`), never reads the
+//! body, and needs no `HandleErrorLayer`: a refusal is an `Ok` response.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use std::net::SocketAddr;
+//! use bytes::Bytes;
+//! use http::{Request, Response, StatusCode};
+//! use tower::{Service, ServiceBuilder, ServiceExt};
+//! use tollgate::{MemoryStore, Policy, RateLimitLayer, Rate};
+//! use tollgate::clock::ManualClock;
+//! use tollgate::key::PeerIp;
+//! use tollgate::limiter::Rule;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let layer = RateLimitLayer::builder(MemoryStore::with_clock(ManualClock::new()))
+//!     .rule(Rule::new("per-ip").key(PeerIp::new()).policy(Policy::gcra(Rate::per_second(1), 2)?))
+//!     .build()?;
+//! let mut service = ServiceBuilder::new().layer(layer).service_fn(|_req: Request<String>| async {
+//!     Ok::<_, Infallible>(Response::new(http_body_util::Full::new(Bytes::from("hello"))))
+//! });
+//!
+//! let request = || {
+//!     let mut r = Request::new(String::new());
+//!     r.extensions_mut().insert("192.0.2.1:5000".parse::<SocketAddr>().unwrap());
+//!     r
+//! };
+//! let first = service.ready().await?.call(request()).await?;
+//! assert_eq!(first.status(), StatusCode::OK);
+//! assert_eq!(first.headers()["ratelimit"], r#""per-ip";r=1;t=1"#);
+//! assert_eq!(first.headers()["ratelimit-policy"], r#""per-ip";q=2;w=2"#);
+//! service.ready().await?.call(request()).await?;
+//! let third = service.ready().await?.call(request()).await?;
+//! assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
+//! assert_eq!(third.headers()["retry-after"], "1");
+//! # Ok(())
+//! # }
+//! ```
+
+mod body;
+mod future;
+mod layer;
+mod response;
+mod service;
+
+pub use body::ResponseBody;
+pub use future::ResponseFuture;
+pub use layer::{DEFAULT_UNAVAILABLE_RETRY_AFTER, RateLimitLayer, RateLimitLayerBuilder};
+pub use response::{
+    DefaultResponder, HeaderProfile, QUOTA_EXCEEDED_TYPE, Rejection, RejectionKind, ResetFormat,
+    Responder,
+};
+pub use service::RateLimit;
+
+use http::HeaderName;
+
+/// `RateLimit` (draft-ietf-httpapi-ratelimit-headers): the policy closest to exhaustion.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+/// `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers): the policies that applied.
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `X-RateLimit-Limit` (legacy profile).
+pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+/// `X-RateLimit-Remaining` (legacy profile).
+pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+/// `X-RateLimit-Reset` (legacy profile).
+pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+/// `grpc-status`.
+pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+/// `grpc-message`.
+pub const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+/// `grpc-retry-pushback-ms`: how long a gRPC client should wait before retrying.
+pub const GRPC_RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");

@@ -1,0 +1,536 @@
+//! Answers: the rate-limit fields, and the responses to refused requests (HTTP and gRPC).
+
+use std::fmt::{self, Write as _};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
+use http::request::Parts;
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
+
+use super::{
+    GRPC_MESSAGE, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, RATELIMIT, RATELIMIT_POLICY,
+    X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,
+};
+use crate::{Decision, StoreError};
+
+/// The problem type of a refused request (RFC 9457), registered by the IETF RateLimit fields
+/// draft.
+pub const QUOTA_EXCEEDED_TYPE: &str =
+    "https://iana.org/assignments/http-problem-types#quota-exceeded";
+
+const QUOTA_EXCEEDED_TITLE: &str =
+    "Request cannot be satisfied as assigned quota has been exceeded";
+
+/// Which rate-limit header fields responses carry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeaderProfile {
+    /// `RateLimit-Policy` and `RateLimit` as in draft-ietf-httpapi-ratelimit-headers-10:
+    /// `RateLimit-Policy: "per-minute";q=100;w=60` lists every policy that applied (`q` the
+    /// limit, `w` the window in seconds, for a bucket the time an empty burst takes to refill)
+    /// and `RateLimit: "per-minute";r=42;t=18` reports the policy closest to exhaustion (`r`
+    /// what remains, `t` the seconds until it has fully recovered; on a refusal, the seconds
+    /// until the request may be retried, so `t` never exceeds `Retry-After`).
+    #[default]
+    Ietf,
+    /// `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` for the policy
+    /// closest to exhaustion: widely deployed, never standardised. Reset is in delta seconds
+    /// (the same number as `t`) unless [`ResetFormat::UnixSeconds`] is chosen.
+    Legacy,
+    /// Both of the above.
+    Both,
+    /// No rate-limit fields (`Retry-After` is still sent on refusals).
+    Off,
+}
+
+impl HeaderProfile {
+    fn ietf(self) -> bool {
+        matches!(self, HeaderProfile::Ietf | HeaderProfile::Both)
+    }
+
+    fn legacy(self) -> bool {
+        matches!(self, HeaderProfile::Legacy | HeaderProfile::Both)
+    }
+}
+
+/// How `X-RateLimit-Reset` tells the time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResetFormat {
+    /// Seconds from now, rounded up (the default; needs no synchronised clocks).
+    #[default]
+    DeltaSeconds,
+    /// The Unix time, in seconds, at which the limit will have reset (GitHub's convention; it
+    /// reads the system's wall clock).
+    UnixSeconds,
+}
+
+/// The field values of one response, computed when the decision is known.
+#[derive(Debug, Default)]
+pub(crate) struct FieldValues {
+    policy: Option<HeaderValue>,
+    status: Option<HeaderValue>,
+    legacy: Option<Box<[HeaderValue; 3]>>,
+}
+
+impl FieldValues {
+    /// The fields for `decision`, whose `RateLimit` item starts with `item` (`"name";r=`),
+    /// with the `RateLimit-Policy` value of the policies that applied.
+    #[inline]
+    pub(crate) fn new(
+        profile: HeaderProfile,
+        reset: ResetFormat,
+        decision: &Decision,
+        item: &str,
+        policy: impl FnOnce() -> Option<HeaderValue>,
+    ) -> Self {
+        let t = reset_secs(decision);
+        let mut values = FieldValues::default();
+        if profile.ietf() {
+            values.policy = policy();
+            values.status = status_value(item, decision.remaining(), t);
+        }
+        if profile.legacy() {
+            let reset = match reset {
+                ResetFormat::DeltaSeconds => t,
+                ResetFormat::UnixSeconds => unix_now().saturating_add(t),
+            };
+            values.legacy = Some(Box::new([
+                HeaderValue::from(decision.limit()),
+                HeaderValue::from(decision.remaining()),
+                HeaderValue::from(reset),
+            ]));
+        }
+        values
+    }
+
+    /// Writes the fields into a response's headers.
+    #[inline]
+    pub(crate) fn apply(self, headers: &mut HeaderMap) {
+        if let Some(v) = self.policy {
+            headers.insert(RATELIMIT_POLICY, v);
+        }
+        if let Some(v) = self.status {
+            headers.insert(RATELIMIT, v);
+        }
+        if let Some(legacy) = self.legacy {
+            let [limit, remaining, reset] = *legacy;
+            headers.insert(X_RATELIMIT_LIMIT, limit);
+            headers.insert(X_RATELIMIT_REMAINING, remaining);
+            headers.insert(X_RATELIMIT_RESET, reset);
+        }
+    }
+}
+
+/// The wall clock in Unix seconds: only for the `X-RateLimit-Reset` variant that asks for it.
+/// Limits themselves never read wall time.
+#[allow(clippy::disallowed_methods)]
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// `RateLimit: "name";r=R;t=T` from its start `"name";r=`, written on the stack: the value's
+/// own buffer is the only allocation.
+#[inline]
+fn status_value(item: &str, r: u64, t: u64) -> Option<HeaderValue> {
+    let item = item.as_bytes();
+    let mut digits = itoa::Buffer::new();
+    let r = digits.format(r).as_bytes();
+    let mut t_digits = itoa::Buffer::new();
+    let t = t_digits.format(t).as_bytes();
+    let len = item.len() + r.len() + 3 + t.len();
+    let mut text = [0u8; 160];
+    // Names are at most 64 characters: this always fits.
+    let out = text.get_mut(..len)?;
+    let (head, rest) = out.split_at_mut(item.len());
+    head.copy_from_slice(item);
+    let (r_out, rest) = rest.split_at_mut(r.len());
+    r_out.copy_from_slice(r);
+    let (sep, t_out) = rest.split_at_mut(3);
+    sep.copy_from_slice(b";t=");
+    t_out.copy_from_slice(t);
+    HeaderValue::from_bytes(out).ok()
+}
+
+/// `t`: seconds until full recovery when admitted, until the retry when refused.
+fn reset_secs(decision: &Decision) -> u64 {
+    decision
+        .retry_after_secs()
+        .unwrap_or_else(|| decision.reset_after_secs())
+}
+
+/// Why a request was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RejectionKind {
+    /// A policy refused it: 429 (gRPC `RESOURCE_EXHAUSTED`).
+    Limited,
+    /// The store could not decide (and its failure policy did not decide for it): 503 (gRPC
+    /// `UNAVAILABLE`). The problem is the server's, not the client's.
+    Unavailable,
+    /// A rule found no key for it and is configured to refuse such requests
+    /// ([`MissingKey::Reject`](crate::limiter::MissingKey::Reject)).
+    NoKey,
+}
+
+/// Everything a [`Responder`] needs to answer a refused request.
+#[derive(Debug)]
+pub struct Rejection<'a> {
+    pub(crate) kind: RejectionKind,
+    pub(crate) parts: &'a Parts,
+    pub(crate) status: StatusCode,
+    pub(crate) decision: Option<Decision>,
+    pub(crate) rule: Option<&'a str>,
+    pub(crate) policy: Option<&'a str>,
+    pub(crate) window: Option<Duration>,
+    pub(crate) retry_after: Option<Duration>,
+    pub(crate) error: Option<&'a StoreError>,
+}
+
+impl<'a> Rejection<'a> {
+    /// Why.
+    pub fn kind(&self) -> RejectionKind {
+        self.kind
+    }
+
+    /// The status the default answer uses: 429, 503, or the rule's status for a missing key.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The refused request's head.
+    pub fn request(&self) -> &'a Parts {
+        self.parts
+    }
+
+    /// Whether the request is gRPC (`content-type: application/grpc...`), which must be
+    /// answered with HTTP 200 and a `grpc-status`.
+    pub fn is_grpc(&self) -> bool {
+        is_grpc(self.parts)
+    }
+
+    /// The refusing decision, for [`RejectionKind::Limited`].
+    pub fn decision(&self) -> Option<&Decision> {
+        self.decision.as_ref()
+    }
+
+    /// The rule that refused (or found no key).
+    pub fn rule(&self) -> Option<&'a str> {
+        self.rule
+    }
+
+    /// The name of the policy that refused, as the `RateLimit` fields show it.
+    pub fn policy(&self) -> Option<&'a str> {
+        self.policy
+    }
+
+    /// The span the refusing policy's limit is about (its window, or for a bucket the time
+    /// an empty burst takes to refill), as in `RateLimit-Policy`'s `w`.
+    pub fn policy_window(&self) -> Option<Duration> {
+        self.window
+    }
+
+    /// How long the client should wait: the exact time for a limit, the configured time for an
+    /// unavailable store, `None` for a missing key.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// [`Rejection::retry_after`] in whole seconds, rounded up, as `Retry-After` carries it.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.retry_after.map(|d| {
+            d.as_nanos()
+                .div_ceil(1_000_000_000)
+                .try_into()
+                .unwrap_or(u64::MAX)
+        })
+    }
+
+    /// The store's error, for [`RejectionKind::Unavailable`].
+    pub fn store_error(&self) -> Option<&'a StoreError> {
+        self.error
+    }
+}
+
+/// Answers refused requests. The layer adds the rate-limit fields of its
+/// [`HeaderProfile`] to whatever this returns.
+///
+/// Any `Fn(&Rejection<'_>) -> Response<Bytes>` is a responder; [`DefaultResponder`] is the
+/// default and can be called from your own:
+///
+/// ```
+/// use bytes::Bytes;
+/// use http::Response;
+/// use tollgate::http::{DefaultResponder, Rejection, RejectionKind, Responder};
+///
+/// let plain_text = |rejection: &Rejection<'_>| {
+///     if rejection.is_grpc() || rejection.kind() != RejectionKind::Limited {
+///         return DefaultResponder.respond(rejection);
+///     }
+///     let mut response = DefaultResponder.respond(rejection); // status, Retry-After, no-store
+///     response.headers_mut().insert("content-type", "text/plain".parse().unwrap());
+///     *response.body_mut() = Bytes::from_static(b"slow down\n");
+///     response
+/// };
+/// # fn takes(_: impl Responder) {}
+/// takes(plain_text);
+/// ```
+pub trait Responder: Send + Sync + 'static {
+    /// The response to a refused request.
+    fn respond(&self, rejection: &Rejection<'_>) -> Response<Bytes>;
+}
+
+impl<F> Responder for F
+where
+    F: Fn(&Rejection<'_>) -> Response<Bytes> + Send + Sync + 'static,
+{
+    fn respond(&self, rejection: &Rejection<'_>) -> Response<Bytes> {
+        self(rejection)
+    }
+}
+
+/// The default answers.
+///
+/// - **Limited**: `429 Too Many Requests`, `Retry-After` (whole seconds, rounded up),
+///   `Cache-Control: no-store`, and an `application/problem+json` body (RFC 9457) of type
+///   [`QUOTA_EXCEEDED_TYPE`] with `title`, `status`, `detail`, `violated-policies` (the policy
+///   that refused) and `retry-after` (seconds).
+/// - **Unavailable**: `503 Service Unavailable` with `Retry-After`, `no-store` and a problem
+///   body; never 429, since the client did nothing wrong.
+/// - **No key**: the rule's status with `no-store` and a problem body naming the rule.
+/// - **gRPC** (`content-type: application/grpc*`): HTTP 200 with no body and `grpc-status` 8
+///   (`RESOURCE_EXHAUSTED`) for a limit, 14 (`UNAVAILABLE`) for the store, and the code closest
+///   to the status for a missing key; `grpc-message`, and `grpc-retry-pushback-ms` when there
+///   is a delay to wait, so gRPC clients see a proper status and back off.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DefaultResponder;
+
+impl Responder for DefaultResponder {
+    fn respond(&self, rejection: &Rejection<'_>) -> Response<Bytes> {
+        if rejection.is_grpc() {
+            grpc_response(rejection)
+        } else {
+            problem_response(rejection)
+        }
+    }
+}
+
+fn problem_response(r: &Rejection<'_>) -> Response<Bytes> {
+    let mut body = String::with_capacity(320);
+    let status = r.status;
+    let reason = status.canonical_reason().unwrap_or("Error");
+    match r.kind {
+        RejectionKind::Limited => {
+            let policy = r.policy.unwrap_or("");
+            let secs = r.retry_after_secs().unwrap_or(0);
+            body.push_str("{\"type\":");
+            json_string(&mut body, QUOTA_EXCEEDED_TYPE);
+            body.push_str(",\"title\":");
+            json_string(&mut body, QUOTA_EXCEEDED_TITLE);
+            let _ = write!(body, ",\"status\":{},\"detail\":", status.as_u16());
+            let detail = match (r.decision, r.window) {
+                (Some(d), Some(w)) => format!(
+                    "Policy \"{policy}\" allows {} per {}; this request would exceed it. Retry in {secs} s.",
+                    d.limit(),
+                    HumanSecs(w.as_nanos().div_ceil(1_000_000_000).max(1)),
+                ),
+                _ => format!("Policy \"{policy}\" refused this request. Retry in {secs} s."),
+            };
+            json_string(&mut body, &detail);
+            body.push_str(",\"violated-policies\":[");
+            json_string(&mut body, policy);
+            let _ = write!(body, "],\"retry-after\":{secs}}}");
+        }
+        RejectionKind::Unavailable => {
+            let secs = r.retry_after_secs().unwrap_or(1);
+            let _ = write!(
+                body,
+                "{{\"type\":\"about:blank\",\"title\":\"{reason}\",\"status\":{},\"detail\":\"The rate limiter cannot decide right now; retry in {secs} s.\",\"retry-after\":{secs}}}",
+                status.as_u16()
+            );
+        }
+        RejectionKind::NoKey => {
+            let _ = write!(
+                body,
+                "{{\"type\":\"about:blank\",\"title\":\"{reason}\",\"status\":{},\"detail\":",
+                status.as_u16()
+            );
+            let detail = format!(
+                "Rule \"{}\" found no key for this request.",
+                r.rule.unwrap_or("")
+            );
+            json_string(&mut body, &detail);
+            body.push('}');
+        }
+    }
+    let mut response = Response::new(Bytes::from(body));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    if let Some(secs) = r.retry_after_secs() {
+        headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+    }
+    response
+}
+
+/// Seconds as "60 s".
+struct HumanSecs(u128);
+
+impl fmt::Display for HumanSecs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} s", self.0)
+    }
+}
+
+fn grpc_response(r: &Rejection<'_>) -> Response<Bytes> {
+    let (code, message): (u8, String) = match r.kind {
+        RejectionKind::Limited => (
+            8,
+            format!(
+                "rate limit exceeded (policy \"{}\"); retry in {} s",
+                r.policy.unwrap_or(""),
+                r.retry_after_secs().unwrap_or(0)
+            ),
+        ),
+        RejectionKind::Unavailable => (14, "the rate limiter cannot decide right now".into()),
+        RejectionKind::NoKey => (
+            grpc_code_for(r.status),
+            format!(
+                "rule \"{}\" found no key for this request",
+                r.rule.unwrap_or("")
+            ),
+        ),
+    };
+    let mut response = Response::new(Bytes::new());
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert(GRPC_STATUS, HeaderValue::from(u16::from(code)));
+    if let Ok(v) = HeaderValue::from_str(&percent_encode(&message)) {
+        headers.insert(GRPC_MESSAGE, v);
+    }
+    if let Some(wait) = r.retry_after {
+        let ms = wait.as_nanos().div_ceil(1_000_000);
+        headers.insert(
+            GRPC_RETRY_PUSHBACK_MS,
+            HeaderValue::from(u64::try_from(ms).unwrap_or(u64::MAX)),
+        );
+    }
+    response
+}
+
+/// The gRPC code closest to an HTTP status (as gRPC's HTTP mapping has it).
+fn grpc_code_for(status: StatusCode) -> u8 {
+    match status.as_u16() {
+        400 => 3,  // INVALID_ARGUMENT
+        401 => 16, // UNAUTHENTICATED
+        403 => 7,  // PERMISSION_DENIED
+        404 => 12, // UNIMPLEMENTED
+        429 => 8,  // RESOURCE_EXHAUSTED
+        502..=504 => 14,
+        _ => 13, // INTERNAL
+    }
+}
+
+/// `grpc-message` is percent-encoded UTF-8.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// Appends `s` as a JSON string.
+fn json_string(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// Whether a request is gRPC.
+#[inline]
+pub(crate) fn is_grpc(parts: &Parts) -> bool {
+    parts
+        .headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encoders() {
+        assert_eq!(percent_encode("a b%c\né"), "a b%25c%0A%C3%A9");
+        let mut s = String::new();
+        json_string(&mut s, "a\"b\\c\u{1}");
+        assert_eq!(s, r#""a\"b\\c\u0001""#);
+        assert_eq!(grpc_code_for(StatusCode::UNAUTHORIZED), 16);
+        assert_eq!(grpc_code_for(StatusCode::INTERNAL_SERVER_ERROR), 13);
+    }
+
+    #[test]
+    fn fields_follow_the_profile() {
+        let d = Decision::rejected(10, 0, Duration::from_secs(60), Duration::from_millis(2500));
+        let mut headers = HeaderMap::new();
+        FieldValues::new(
+            HeaderProfile::Both,
+            ResetFormat::DeltaSeconds,
+            &d,
+            "\"p\";r=",
+            || Some(HeaderValue::from_static("\"p\";q=10;w=60")),
+        )
+        .apply(&mut headers);
+        assert_eq!(headers[RATELIMIT], "\"p\";r=0;t=3");
+        assert_eq!(headers[RATELIMIT_POLICY], "\"p\";q=10;w=60");
+        assert_eq!(headers[X_RATELIMIT_RESET], "3");
+        assert_eq!(headers[X_RATELIMIT_LIMIT], "10");
+        let mut headers = HeaderMap::new();
+        FieldValues::new(
+            HeaderProfile::Off,
+            ResetFormat::UnixSeconds,
+            &d,
+            "p",
+            || None,
+        )
+        .apply(&mut headers);
+        assert!(headers.is_empty());
+        let mut headers = HeaderMap::new();
+        FieldValues::new(
+            HeaderProfile::Legacy,
+            ResetFormat::UnixSeconds,
+            &d,
+            "p",
+            || None,
+        )
+        .apply(&mut headers);
+        let reset: u64 = headers[X_RATELIMIT_RESET]
+            .to_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(reset > 1_600_000_000);
+        assert!(!headers.contains_key(RATELIMIT));
+    }
+}

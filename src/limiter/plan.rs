@@ -1,0 +1,833 @@
+//! The built limiter: rules compiled once, and the plan of checks for one request.
+
+use std::fmt::{self, Write as _};
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::{HeaderValue, Method, StatusCode};
+use smallvec::SmallVec;
+
+use super::rule::{Cost, MissingKey, Route, Rule};
+use super::tier::TierLookup;
+use crate::key::{Key, KeyExtractor, MAX_KEY_LEN};
+use crate::store::{Check, Store};
+use crate::{Decision, MAX_NAME_LEN, Policy};
+
+/// The rules of a service over one store, built once and shared (in an `Arc`) by every clone
+/// of the layer that uses it.
+///
+/// For each request it finds the rules that apply, their keys, tiers and costs, and asks the
+/// store about all of their policies in one [`Store::check_all`] call: the request is admitted
+/// only if every policy of every enforced rule admits it, and consumes from none of them
+/// otherwise. Shadow rules are then checked the same way, in a second call, and never refuse.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{MemoryStore, Policy, Rate};
+/// use tollgate::key::{Global, PeerIp};
+/// use tollgate::limiter::{Limiter, Rule};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let limiter = Limiter::builder(MemoryStore::new())
+///     .rule(Rule::new("per-ip").key(PeerIp::new()).policies([
+///         Policy::gcra(Rate::per_second(10), 20)?.named("per-second")?,
+///         Policy::sliding_window(1_000, Duration::from_secs(3600))?.named("per-hour")?,
+///     ]))
+///     .rule(Rule::new("global").key(Global).policy(Policy::gcra(Rate::per_second(5_000), 5_000)?))
+///     .build()?;
+/// assert_eq!(limiter.rule_names().collect::<Vec<_>>(), ["per-ip", "global"]);
+/// # Ok(())
+/// # }
+/// ```
+pub struct Limiter<St> {
+    pub(crate) store: St,
+    pub(crate) rules: Box<[CompiledRule]>,
+    pub(crate) observer: Option<Observer>,
+}
+
+pub(crate) type Observer = Arc<dyn Fn(&ShadowRejection) + Send + Sync>;
+
+impl<St: Store> Limiter<St> {
+    /// A builder of rules over `store`.
+    pub fn builder(store: St) -> LimiterBuilder<St> {
+        LimiterBuilder {
+            store,
+            rules: Vec::new(),
+            observer: None,
+        }
+    }
+}
+
+impl<St> Limiter<St> {
+    /// The store.
+    pub fn store(&self) -> &St {
+        &self.store
+    }
+
+    /// The names of the rules, in order.
+    pub fn rule_names(&self) -> impl Iterator<Item = &str> {
+        self.rules.iter().map(|r| &*r.name)
+    }
+}
+
+impl<St> fmt::Debug for Limiter<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Limiter")
+            .field("rules", &self.rules)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builds a [`Limiter`]; every rule is validated by [`LimiterBuilder::build`].
+pub struct LimiterBuilder<St> {
+    store: St,
+    rules: Vec<Rule>,
+    observer: Option<Observer>,
+}
+
+impl<St: Store> LimiterBuilder<St> {
+    /// Adds a rule.
+    pub fn rule(mut self, rule: Rule) -> Self {
+        self.rules.push(rule);
+        self
+    }
+
+    /// Calls `observer` whenever a shadow rule would have refused a request (for metrics or
+    /// logs). It runs on the request's task: keep it quick.
+    pub fn on_shadow_rejection<F>(mut self, observer: F) -> Self
+    where
+        F: Fn(&ShadowRejection) + Send + Sync + 'static,
+    {
+        self.observer = Some(Arc::new(observer));
+        self
+    }
+
+    /// Validates the rules and builds the limiter.
+    pub fn build(self) -> Result<Limiter<St>, LimiterError> {
+        if self.rules.len() > usize::from(u16::MAX) {
+            return Err(LimiterError::TooManyRules(self.rules.len()));
+        }
+        let mut compiled: Vec<CompiledRule> = Vec::with_capacity(self.rules.len());
+        for rule in self.rules {
+            if !valid_name(&rule.name) {
+                return Err(LimiterError::InvalidRuleName(
+                    rule.name.chars().take(80).collect(),
+                ));
+            }
+            if compiled.iter().any(|r| *r.name == *rule.name) {
+                return Err(LimiterError::DuplicateRule(rule.name));
+            }
+            compiled.push(CompiledRule::compile(rule)?);
+        }
+        Ok(Limiter {
+            store: self.store,
+            rules: compiled.into(),
+            observer: self.observer,
+        })
+    }
+}
+
+impl<St> fmt::Debug for LimiterBuilder<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimiterBuilder")
+            .field("rules", &self.rules)
+            .finish_non_exhaustive()
+    }
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+}
+
+/// Why a limiter could not be built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LimiterError {
+    /// A rule name that is empty, too long, or has characters outside `a-z A-Z 0-9 - _ . :`.
+    InvalidRuleName(String),
+    /// Two rules with one name.
+    DuplicateRule(String),
+    /// A rule with neither policies nor tiers.
+    NoPolicy(String),
+    /// A rule with both policies and tiers.
+    PoliciesAndTiers(String),
+    /// A rule's tiers: none declared, a tier without policies, a name used twice or not
+    /// usable in a header, or a default tier that is not declared.
+    InvalidTiers {
+        /// The rule.
+        rule: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// More rules than 65 535.
+    TooManyRules(usize),
+}
+
+impl fmt::Display for LimiterError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LimiterError::InvalidRuleName(name) => write!(
+                f,
+                "invalid rule name {name:?}: use 1 to {MAX_NAME_LEN} of a-z A-Z 0-9 - _ . :"
+            ),
+            LimiterError::DuplicateRule(name) => write!(f, "two rules are named {name:?}"),
+            LimiterError::NoPolicy(name) => {
+                write!(
+                    f,
+                    "rule {name:?} has no policy: add one with .policy() or .tiers()"
+                )
+            }
+            LimiterError::PoliciesAndTiers(name) => write!(
+                f,
+                "rule {name:?} has both policies and tiers: give it one or the other"
+            ),
+            LimiterError::InvalidTiers { rule, reason } => {
+                write!(f, "the tiers of rule {rule:?}: {reason}")
+            }
+            LimiterError::TooManyRules(n) => write!(f, "{n} rules: at most 65535"),
+        }
+    }
+}
+
+impl std::error::Error for LimiterError {}
+
+/// A rule ready to run.
+pub(crate) struct CompiledRule {
+    pub(crate) name: Arc<str>,
+    /// `name:`, the start of every store key of the rule.
+    prefix: Box<str>,
+    methods: SmallVec<[Method; 2]>,
+    route: Route,
+    key: Box<dyn KeyExtractor>,
+    cost: Cost,
+    missing: MissingKey,
+    pub(crate) shadow: bool,
+    /// One set of policies, or one per tier.
+    pub(crate) sets: Box<[PolicySet]>,
+    tiers: Option<TierLookup>,
+}
+
+/// The policies a rule applies (for one tier), with the names clients see.
+pub(crate) struct PolicySet {
+    pub(crate) policies: Box<[Policy]>,
+    /// The name of each policy in the `RateLimit` fields and problem details.
+    pub(crate) names: Box<[Arc<str>]>,
+    /// The start of each policy's `RateLimit` item: `"name";r=`.
+    pub(crate) items: Box<[Box<str>]>,
+    /// This set's members of the `RateLimit-Policy` field, as text and as a header value.
+    pub(crate) field: Box<str>,
+    pub(crate) field_value: HeaderValue,
+}
+
+impl CompiledRule {
+    fn compile(rule: Rule) -> Result<Self, LimiterError> {
+        let name: Arc<str> = rule.name.as_str().into();
+        let (sets, tiers) = match (rule.policies.is_empty(), rule.tiers) {
+            (true, None) => return Err(LimiterError::NoPolicy(rule.name)),
+            (false, Some(_)) => return Err(LimiterError::PoliciesAndTiers(rule.name)),
+            (false, None) => (vec![PolicySet::new(&name, None, rule.policies)?], None),
+            (true, Some(tiers)) => {
+                let invalid = |reason: String| LimiterError::InvalidTiers {
+                    rule: rule.name.clone(),
+                    reason,
+                };
+                if tiers.tiers.is_empty() {
+                    return Err(invalid("no tier declared".into()));
+                }
+                if tiers.tiers.len() > usize::from(u16::MAX) {
+                    return Err(invalid("more than 65535 tiers".into()));
+                }
+                let mut sets = Vec::with_capacity(tiers.tiers.len());
+                for (i, (tier, policies)) in tiers.tiers.iter().enumerate() {
+                    if !valid_name(tier) {
+                        return Err(invalid(format!(
+                            "tier name {tier:?}: use 1 to {MAX_NAME_LEN} of a-z A-Z 0-9 - _ . :"
+                        )));
+                    }
+                    if tiers.tiers[..i].iter().any(|(t, _)| t == tier) {
+                        return Err(invalid(format!("tier {tier:?} is declared twice")));
+                    }
+                    if policies.is_empty() {
+                        return Err(invalid(format!("tier {tier:?} has no policy")));
+                    }
+                    sets.push(PolicySet::new(&name, Some(tier), policies.clone())?);
+                }
+                let default = match &tiers.default {
+                    None => 0,
+                    Some(d) => tiers
+                        .tiers
+                        .iter()
+                        .position(|(t, _)| t == d)
+                        .ok_or_else(|| {
+                            invalid(format!("the default tier {d:?} is not declared"))
+                        })?,
+                };
+                let default = u16::try_from(default).unwrap_or(0);
+                (sets, Some(tiers.into_resolved(default)))
+            }
+        };
+        Ok(CompiledRule {
+            prefix: format!("{name}:").into(),
+            name,
+            methods: rule.methods,
+            route: rule.route,
+            key: rule.key,
+            cost: rule.cost,
+            missing: rule.missing,
+            shadow: rule.shadow,
+            sets: sets.into(),
+            tiers,
+        })
+    }
+
+    #[inline]
+    fn matches(&self, parts: &Parts) -> bool {
+        (self.methods.is_empty() || self.methods.contains(&parts.method))
+            && self.route.matches(parts)
+    }
+}
+
+impl fmt::Debug for CompiledRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rule")
+            .field("name", &self.name)
+            .field("shadow", &self.shadow)
+            .field(
+                "policies",
+                &self.sets.iter().map(|s| &*s.field).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl PolicySet {
+    fn new(rule: &str, tier: Option<&str>, policies: Vec<Policy>) -> Result<Self, LimiterError> {
+        let single = policies.len() == 1;
+        let names: Box<[Arc<str>]> = policies
+            .iter()
+            .enumerate()
+            .map(|(i, p)| -> Arc<str> {
+                match (p.name(), tier, single) {
+                    (Some(n), _, _) => n.into(),
+                    (None, None, true) => rule.into(),
+                    (None, None, false) => format!("{rule}.{i}").into(),
+                    (None, Some(t), true) => format!("{rule}.{t}").into(),
+                    (None, Some(t), false) => format!("{rule}.{t}.{i}").into(),
+                }
+            })
+            .collect();
+        let mut field = String::new();
+        for (name, policy) in names.iter().zip(&policies) {
+            if !field.is_empty() {
+                field.push_str(", ");
+            }
+            let window = policy.window().as_nanos().div_ceil(1_000_000_000).max(1);
+            let _ = write!(field, "\"{name}\";q={};w={window}", policy.limit());
+        }
+        let field_value = HeaderValue::from_str(&field)
+            .map_err(|_| LimiterError::InvalidRuleName(rule.chars().take(80).collect()))?;
+        let items = names.iter().map(|n| format!("\"{n}\";r=").into()).collect();
+        Ok(PolicySet {
+            policies: policies.into(),
+            items,
+            names,
+            field: field.into(),
+            field_value,
+        })
+    }
+}
+
+/// A rule that applies to a request: which rule, which of its policy sets (`None`: a tier
+/// not resolved yet), the cost, and the store key.
+pub(crate) struct Planned {
+    pub(crate) rule: u16,
+    pub(crate) set: Option<u16>,
+    pub(crate) cost: u64,
+    pub(crate) key: Key,
+    /// The extracted key, kept for the tier resolver while `set` is `None`.
+    pub(crate) raw: Option<Box<str>>,
+}
+
+/// The rules that apply to one request, enforced and shadow.
+#[derive(Default)]
+pub(crate) struct Plan {
+    pub(crate) enforced: SmallVec<[Planned; 4]>,
+    pub(crate) shadow: Vec<Planned>,
+    /// Whether a planned rule waits for its tier.
+    unresolved: bool,
+}
+
+/// Which rule and policy set an enforced check came from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Applied {
+    pub(crate) rule: u16,
+    pub(crate) set: u16,
+}
+
+/// Shadow rules waiting for the enforced decision.
+pub(crate) type ShadowPlan = Vec<Planned>;
+
+/// Where a request stands after `call()`.
+pub(crate) enum Start<F> {
+    /// The store was asked about the enforced rules.
+    Checking {
+        check: F,
+        applied: SmallVec<[Applied; 4]>,
+        shadow: Option<ShadowPlan>,
+    },
+    /// No enforced rule applies.
+    Unchecked { shadow: Option<ShadowPlan> },
+    /// A tier must be resolved first.
+    Resolving {
+        plan: Box<Plan>,
+        at: (bool, usize),
+        answer: super::tier::Resolving,
+    },
+    /// A rule found no key and refuses the request.
+    NoKey(NoKey),
+}
+
+fn applied(planned: &[Planned]) -> SmallVec<[Applied; 4]> {
+    planned
+        .iter()
+        .map(|p| Applied {
+            rule: p.rule,
+            set: p.set.unwrap_or(0),
+        })
+        .collect()
+}
+
+/// A request that a rule found no key for, and refuses.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NoKey {
+    pub(crate) rule: u16,
+    pub(crate) status: StatusCode,
+}
+
+pub(crate) type Checks<'a> = SmallVec<[Check<'a>; 8]>;
+
+impl<St: Store> Limiter<St> {
+    /// Plans the request and asks the store about its enforced rules: the decision is made
+    /// here (for the in-process store, the future is ready).
+    #[inline]
+    pub(crate) fn start(&self, parts: &Parts) -> Start<St::Future> {
+        let mut plan = Plan::default();
+        if let Err(no_key) = self.fill(parts, &mut plan) {
+            return Start::NoKey(no_key);
+        }
+        self.proceed(&mut plan)
+    }
+
+    /// Goes on with a plan whose tier was just resolved.
+    pub(crate) fn resume(&self, mut plan: Box<Plan>) -> Start<St::Future> {
+        self.proceed(&mut plan)
+    }
+
+    #[inline]
+    fn proceed(&self, plan: &mut Plan) -> Start<St::Future> {
+        if plan.unresolved {
+            if let Some((shadow, i, answer)) = self.next_unresolved(plan) {
+                return Start::Resolving {
+                    plan: Box::new(std::mem::take(plan)),
+                    at: (shadow, i),
+                    answer,
+                };
+            }
+            plan.unresolved = false;
+        }
+        let shadow = if plan.shadow.is_empty() {
+            None
+        } else {
+            Some(std::mem::take(&mut plan.shadow))
+        };
+        let applied = applied(&plan.enforced);
+        let check = match plan.enforced.as_slice() {
+            [] => return Start::Unchecked { shadow },
+            // One rule with one policy: no stack to build.
+            [one] if self.set(one.rule, one.set.unwrap_or(0)).policies.len() == 1 => {
+                let policy = &self.set(one.rule, one.set.unwrap_or(0)).policies[0];
+                self.store
+                    .check(one.key.as_str(), policy, one.cost.min(policy.limit()))
+            }
+            enforced => self.store.check_all(&self.checks(enforced)),
+        };
+        Start::Checking {
+            check,
+            applied,
+            shadow,
+        }
+    }
+
+    /// Asks the store about the shadow rules.
+    pub(crate) fn check_shadow(&self, shadow: &[Planned]) -> (St::Future, SmallVec<[Applied; 4]>) {
+        (self.store.check_all(&self.checks(shadow)), applied(shadow))
+    }
+
+    /// The rules that apply to this request, with keys, costs and (cached) tiers.
+    #[inline]
+    fn fill(&self, parts: &Parts, plan: &mut Plan) -> Result<(), NoKey> {
+        for (index, rule) in self.rules.iter().enumerate() {
+            if !rule.matches(parts) {
+                continue;
+            }
+            let index = u16::try_from(index).unwrap_or(u16::MAX);
+            let mut key = Key::new();
+            key.push_str(&rule.prefix);
+            let prefix = key.len();
+            if !rule.key.extract_into(parts, &mut key) {
+                match rule.missing {
+                    MissingKey::Skip => continue,
+                    MissingKey::Reject(status) => {
+                        return Err(NoKey {
+                            rule: index,
+                            status,
+                        });
+                    }
+                }
+            }
+            let mut raw = None;
+            if rule.tiers.is_some() {
+                raw = key.as_str().get(prefix..).map(Box::<str>::from);
+            }
+            if key.len() > MAX_KEY_LEN {
+                key = hashed_key(&rule.name, key.as_str().get(prefix..).unwrap_or_default());
+            }
+            let set = match &rule.tiers {
+                None => Some(0),
+                Some(tiers) => match tiers.cached(key.as_str()) {
+                    Some(tier) => {
+                        raw = None;
+                        Some(tier)
+                    }
+                    None => {
+                        plan.unresolved = true;
+                        None
+                    }
+                },
+            };
+            let planned = Planned {
+                rule: index,
+                set,
+                cost: rule.cost.of(parts),
+                key,
+                raw,
+            };
+            if rule.shadow {
+                plan.shadow.push(planned);
+            } else {
+                plan.enforced.push(planned);
+            }
+        }
+        Ok(())
+    }
+
+    /// The plan of a request, for tests.
+    #[cfg(test)]
+    pub(crate) fn plan(&self, parts: &Parts) -> Result<Plan, NoKey> {
+        let mut plan = Plan::default();
+        self.fill(parts, &mut plan)?;
+        Ok(plan)
+    }
+
+    /// The first planned rule whose tier is not known yet, and the resolver's answer to come.
+    fn next_unresolved(&self, plan: &Plan) -> Option<(bool, usize, super::tier::Resolving)> {
+        let find = |list: &[Planned]| list.iter().position(|p| p.set.is_none());
+        let (shadow, i) = match find(&plan.enforced) {
+            Some(i) => (false, i),
+            None => (true, find(&plan.shadow)?),
+        };
+        let planned = if shadow {
+            &plan.shadow[i]
+        } else {
+            &plan.enforced[i]
+        };
+        let tiers = self.rules.get(usize::from(planned.rule))?.tiers.as_ref()?;
+        let raw = planned.raw.as_deref().unwrap_or_default();
+        Some((shadow, i, tiers.resolve(raw)))
+    }
+
+    /// Records the resolver's answer for a planned rule.
+    pub(crate) fn resolved(&self, plan: &mut Plan, shadow: bool, i: usize, answer: Option<&str>) {
+        let planned = if shadow {
+            plan.shadow.get_mut(i)
+        } else {
+            plan.enforced.get_mut(i)
+        };
+        let Some(planned) = planned else {
+            return;
+        };
+        let tier = match self
+            .rules
+            .get(usize::from(planned.rule))
+            .and_then(|r| r.tiers.as_ref())
+        {
+            Some(tiers) => tiers.remember(planned.key.as_str(), answer),
+            None => 0,
+        };
+        planned.set = Some(tier);
+        planned.raw = None;
+    }
+
+    /// The store checks of some planned rules (all resolved), in order: each rule's policies
+    /// in turn.
+    #[inline]
+    pub(crate) fn checks<'a>(&'a self, planned: &'a [Planned]) -> Checks<'a> {
+        let mut checks = Checks::new();
+        for p in planned {
+            let set = self.set(p.rule, p.set.unwrap_or(0));
+            for policy in set.policies.iter() {
+                checks.push(Check::new(
+                    p.key.as_str(),
+                    policy,
+                    p.cost.min(policy.limit()),
+                ));
+            }
+        }
+        checks
+    }
+
+    #[inline]
+    pub(crate) fn set(&self, rule: u16, set: u16) -> &PolicySet {
+        let rule = &self.rules[usize::from(rule).min(self.rules.len() - 1)];
+        &rule.sets[usize::from(set).min(rule.sets.len() - 1)]
+    }
+
+    /// The start of the `RateLimit` item of check `index` of a stack of `applied` rules.
+    #[inline]
+    pub(crate) fn item(&self, applied: &[Applied], mut index: usize) -> Option<&str> {
+        for a in applied {
+            let set = self.set(a.rule, a.set);
+            if index < set.items.len() {
+                return Some(&set.items[index]);
+            }
+            index -= set.items.len();
+        }
+        None
+    }
+
+    /// The rule and policy name behind check `index` of a stack of `applied` rules.
+    pub(crate) fn locate(&self, applied: &[Applied], index: usize) -> Option<(&str, &Arc<str>)> {
+        self.locate_policy(applied, index)
+            .map(|(rule, name, _)| (rule, name))
+    }
+
+    /// The rule, policy name and policy behind check `index` of a stack of `applied` rules.
+    pub(crate) fn locate_policy(
+        &self,
+        applied: &[Applied],
+        mut index: usize,
+    ) -> Option<(&str, &Arc<str>, &Policy)> {
+        for a in applied {
+            let set = self.set(a.rule, a.set);
+            if index < set.names.len() {
+                let rule = &self.rules[usize::from(a.rule)];
+                return Some((&rule.name, &set.names[index], &set.policies[index]));
+            }
+            index -= set.names.len();
+        }
+        None
+    }
+
+    /// Records a shadow rule's refusal: the observer, and the value for the request
+    /// extensions.
+    pub(crate) fn shadow_rejected(
+        &self,
+        applied: &[Applied],
+        decision: Decision,
+    ) -> ShadowRejection {
+        let (rule, policy) = self
+            .locate(applied, decision.index())
+            .map(|(r, p)| (Arc::<str>::from(r), p.clone()))
+            .unwrap_or_else(|| (Arc::from(""), Arc::from("")));
+        let rejection = ShadowRejection {
+            rule,
+            policy,
+            decision,
+        };
+        if let Some(observer) = &self.observer {
+            observer(&rejection);
+        }
+        rejection
+    }
+}
+
+/// The store key of a rule's key: `rule:key`, or `rule:#` and a 128-bit hash of the key when
+/// that would be longer than [`MAX_KEY_LEN`].
+#[cfg(test)]
+pub(crate) fn store_key(rule: &str, key: &Key) -> Key {
+    let mut out = Key::new();
+    out.push_str(rule);
+    out.push_str(":");
+    out.push_str(key.as_str());
+    if out.len() > MAX_KEY_LEN {
+        out = hashed_key(rule, key.as_str());
+    }
+    out
+}
+
+/// `rule:#` and a 128-bit hash of `key` (stable across processes of one build).
+fn hashed_key(rule: &str, key: &str) -> Key {
+    let a = foldhash::fast::FixedState::with_seed(0x5eed_0001).hash_one(key);
+    let b = foldhash::fast::FixedState::with_seed(0x5eed_0002).hash_one(key);
+    let mut out = Key::new();
+    out.push_str(rule);
+    let _ = write!(out, ":#{a:016x}{b:016x}");
+    out
+}
+
+/// What a shadow rule would have done to a request it let through: put into the request's
+/// extensions and given to the limiter's observer.
+#[derive(Clone, Debug)]
+pub struct ShadowRejection {
+    rule: Arc<str>,
+    policy: Arc<str>,
+    decision: Decision,
+}
+
+impl ShadowRejection {
+    /// The shadow rule.
+    pub fn rule(&self) -> &str {
+        &self.rule
+    }
+
+    /// The policy that would have refused.
+    pub fn policy(&self) -> &str {
+        &self.policy
+    }
+
+    /// The decision (a rejection) that was not enforced.
+    pub fn decision(&self) -> &Decision {
+        &self.decision
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+    use crate::key::Header;
+    use crate::limiter::Tiers;
+    use std::time::Duration;
+
+    fn p(limit: u64) -> Policy {
+        Policy::fixed_window(limit, Duration::from_secs(60)).unwrap()
+    }
+
+    #[test]
+    fn build_validates() {
+        let err = |rules: Vec<Rule>| {
+            let mut b = Limiter::builder(MemoryStore::new());
+            for r in rules {
+                b = b.rule(r);
+            }
+            b.build().unwrap_err()
+        };
+        assert!(matches!(
+            err(vec![Rule::new("a b").policy(p(1))]),
+            LimiterError::InvalidRuleName(_)
+        ));
+        assert!(matches!(
+            err(vec![Rule::new("a")]),
+            LimiterError::NoPolicy(_)
+        ));
+        assert!(matches!(
+            err(vec![
+                Rule::new("a").policy(p(1)),
+                Rule::new("a").policy(p(1))
+            ]),
+            LimiterError::DuplicateRule(_)
+        ));
+        let tiers = || Tiers::new(|_: String| async { None });
+        assert!(matches!(
+            err(vec![
+                Rule::new("a").policy(p(1)).tiers(tiers().tier("x", [p(1)]))
+            ]),
+            LimiterError::PoliciesAndTiers(_)
+        ));
+        for t in [
+            tiers(),
+            tiers().tier("x", []),
+            tiers().tier("x", [p(1)]).tier("x", [p(2)]),
+            tiers().tier("x", [p(1)]).default_tier("y"),
+            tiers().tier("x y", [p(1)]),
+        ] {
+            let e = err(vec![Rule::new("a").tiers(t)]);
+            assert!(matches!(e, LimiterError::InvalidTiers { .. }), "{e}");
+        }
+    }
+
+    #[test]
+    fn fields_and_names() {
+        let limiter = Limiter::builder(MemoryStore::new())
+            .rule(Rule::new("one").policy(p(10)))
+            .rule(
+                Rule::new("two").policies([
+                    p(5),
+                    Policy::gcra(crate::Rate::per_second(2), 4)
+                        .unwrap()
+                        .named("burst")
+                        .unwrap(),
+                ]),
+            )
+            .build()
+            .unwrap();
+        assert_eq!(&*limiter.set(0, 0).field, "\"one\";q=10;w=60");
+        assert_eq!(
+            &*limiter.set(1, 0).field,
+            "\"two.0\";q=5;w=60, \"burst\";q=4;w=2"
+        );
+        let applied = [Applied { rule: 0, set: 0 }, Applied { rule: 1, set: 0 }];
+        assert_eq!(
+            limiter.locate(&applied, 2).map(|(r, p)| (r, &**p)),
+            Some(("two", "burst"))
+        );
+        assert!(limiter.locate(&applied, 3).is_none());
+    }
+
+    #[test]
+    fn long_keys_are_hashed_and_bounded() {
+        let long = Key::from("k".repeat(10_000));
+        let a = store_key("rule", &long);
+        assert!(a.len() <= MAX_KEY_LEN);
+        assert!(a.as_str().starts_with("rule:#"));
+        assert_eq!(a, store_key("rule", &long));
+        assert_ne!(a, store_key("rule", &Key::from("k".repeat(10_001))));
+        assert_eq!(store_key("r", &Key::from("x")).as_str(), "r:x");
+    }
+
+    #[test]
+    fn plans_skip_reject_and_cost() {
+        let limiter = Limiter::builder(MemoryStore::new())
+            .rule(
+                Rule::new("skip")
+                    .key(Header::from_static("x-a"))
+                    .on_missing_key(MissingKey::Skip)
+                    .policy(p(3)),
+            )
+            .rule(Rule::new("post").method(Method::POST).policy(p(3)))
+            .rule(Rule::new("heavy").cost(100).policy(p(3)).shadow())
+            .build()
+            .unwrap();
+        let parts = http::Request::get("/").body(()).unwrap().into_parts().0;
+        let plan = limiter.plan(&parts).ok().unwrap();
+        assert!(plan.enforced.is_empty());
+        assert_eq!(plan.shadow.len(), 1);
+        let checks = limiter.checks(&plan.shadow);
+        assert_eq!(checks[0].cost(), 3); // clamped to the limit
+        let strict = Limiter::builder(MemoryStore::new())
+            .rule(
+                Rule::new("key")
+                    .key(Header::from_static("x-a"))
+                    .policy(p(3)),
+            )
+            .build()
+            .unwrap();
+        let no_key = strict.plan(&parts).err().unwrap();
+        assert_eq!(no_key.status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+}

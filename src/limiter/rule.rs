@@ -1,0 +1,294 @@
+//! What a rule says: which requests, which key, which policies, what each request costs.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::{Method, StatusCode};
+use smallvec::SmallVec;
+
+use super::tier::Tiers;
+use crate::Policy;
+use crate::key::{Global, KeyExtractor};
+
+/// One limit of the [`Limiter`](super::Limiter): which requests it counts, by which key,
+/// under which policies, at what cost.
+///
+/// - **Which requests**: every request, unless narrowed by methods ([`Rule::method`]) and a
+///   route: an exact path ([`Rule::path`]), a path prefix ([`Rule::path_prefix`]) or, with
+///   feature `axum`, a route template as axum matched it ([`Rule::route`], `/users/{id}`).
+///   Every rule that matches a request applies to it; there is no first-match.
+/// - **Which key**: [`Rule::key`], [`Global`](crate::key::Global) when not set (one limit for
+///   all requests the rule matches).
+/// - **Which policies**: one or several ([`Rule::policy`]; per second and per day, say), all
+///   of which must admit the request; or [`Rule::tiers`], which picks the policies by the
+///   key's tier.
+/// - **What it costs**: 1 unless set, a fixed weight ([`Rule::cost`]) or a closure over the
+///   request head ([`Rule::cost_fn`]). A cost of 0 is checked (and reported) but consumes
+///   nothing. A cost above a policy's limit is counted as that limit, so the request then
+///   needs the policy's whole allowance instead of being refused forever.
+/// - **No key**: see [`MissingKey`]; by default such a request is refused with a 500, which
+///   makes a misconfigured key (say, `PeerIp` without `ConnectInfo`) impossible to miss.
+/// - **Shadow**: [`Rule::shadow`] decides and reports without ever refusing.
+///
+/// The rule's name is shown to clients (it names the policies in the `RateLimit` fields
+/// unless the policies have names of their own) and prefixes its keys in the store, so two
+/// rules never share state by accident. Names are 1 to 64 characters of
+/// `a-z A-Z 0-9 - _ . :`.
+///
+/// ```
+/// use std::time::Duration;
+/// use http::Method;
+/// use tollgate::{Policy, Rate};
+/// use tollgate::key::{Header, PeerIp};
+/// use tollgate::limiter::{MissingKey, Rule};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let login = Rule::new("login")
+///     .method(Method::POST)
+///     .path("/login")
+///     .key(PeerIp::new())
+///     .policy(Policy::sliding_log(5, Duration::from_secs(15 * 60))?);
+/// let exports = Rule::new("exports")
+///     .path_prefix("/api/export")
+///     .key(Header::from_static("x-api-key"))
+///     .on_missing_key(MissingKey::Reject(http::StatusCode::UNAUTHORIZED))
+///     .policy(Policy::token_bucket(Rate::per_minute(60), 60)?)
+///     .cost(10);
+/// assert_eq!(login.name(), "login");
+/// # let _ = exports;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Rule {
+    pub(crate) name: String,
+    pub(crate) methods: SmallVec<[Method; 2]>,
+    pub(crate) route: Route,
+    pub(crate) key: Box<dyn KeyExtractor>,
+    pub(crate) policies: Vec<Policy>,
+    pub(crate) tiers: Option<Tiers>,
+    pub(crate) cost: Cost,
+    pub(crate) missing: MissingKey,
+    pub(crate) shadow: bool,
+}
+
+impl Rule {
+    /// A rule named `name` that matches every request, keyed by [`Global`], costing 1, with no
+    /// policy yet (add at least one, or tiers).
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            methods: SmallVec::new(),
+            route: Route::Any,
+            key: Box::new(Global),
+            policies: Vec::new(),
+            tiers: None,
+            cost: Cost::Fixed(1),
+            missing: MissingKey::default(),
+            shadow: false,
+        }
+    }
+
+    /// The rule's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Only requests with this method (call again to add more methods).
+    pub fn method(mut self, method: Method) -> Self {
+        self.methods.push(method);
+        self
+    }
+
+    /// Only requests for exactly this path (`/login`).
+    pub fn path(mut self, path: impl Into<String>) -> Self {
+        self.route = Route::Exact(path.into().into());
+        self
+    }
+
+    /// Only requests for paths under `prefix`, by whole segments: `/api` matches `/api` and
+    /// `/api/users` but not `/apis`.
+    pub fn path_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.route = Route::Prefix(prefix.into().into());
+        self
+    }
+
+    /// Only requests that axum routed to this route template (`/users/{id}`), as its
+    /// `MatchedPath` says. This needs the layer inside the router (`Router::layer` or
+    /// `Router::route_layer`), where axum has matched the route; a rule on a template never
+    /// matches a request without a `MatchedPath`.
+    #[cfg(feature = "axum")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
+    pub fn route(mut self, template: impl Into<String>) -> Self {
+        self.route = Route::Template(template.into().into());
+        self
+    }
+
+    /// Counts requests by the key this extractor finds (see [`crate::key`]).
+    pub fn key(mut self, key: impl KeyExtractor) -> Self {
+        self.key = Box::new(key);
+        self
+    }
+
+    /// Adds a policy; a request is admitted only if every policy of every rule that applies
+    /// admits it.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policies.push(policy);
+        self
+    }
+
+    /// Adds several policies (per second, per minute, per day).
+    pub fn policies(mut self, policies: impl IntoIterator<Item = Policy>) -> Self {
+        self.policies.extend(policies);
+        self
+    }
+
+    /// Picks the policies by the tier of the key (free, pro, ...) instead of fixed policies.
+    pub fn tiers(mut self, tiers: Tiers) -> Self {
+        self.tiers = Some(tiers);
+        self
+    }
+
+    /// Every matching request costs `cost` units.
+    pub fn cost(mut self, cost: u64) -> Self {
+        self.cost = Cost::Fixed(cost);
+        self
+    }
+
+    /// Each request costs what `cost` says, from its head (method, URI, headers).
+    pub fn cost_fn<F>(mut self, cost: F) -> Self
+    where
+        F: Fn(&Parts) -> u64 + Send + Sync + 'static,
+    {
+        self.cost = Cost::Fn(Arc::new(cost));
+        self
+    }
+
+    /// What to do with a request this rule matches but finds no key for.
+    pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
+        self.missing = missing;
+        self
+    }
+
+    /// Shadow mode: the rule is decided and reported (the
+    /// [`ShadowRejection`](super::ShadowRejection) request extension, the limiter's
+    /// observer) but never refuses a request, and its fields are not sent to clients. Use it
+    /// to roll out a limit safely. Shadow rules are checked after the enforced ones, all or
+    /// nothing among themselves, and only for requests the enforced rules admitted.
+    pub fn shadow(mut self) -> Self {
+        self.shadow = true;
+        self
+    }
+}
+
+impl fmt::Debug for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Rule")
+            .field("name", &self.name)
+            .field("methods", &self.methods)
+            .field("route", &self.route)
+            .field("policies", &self.policies)
+            .field("tiers", &self.tiers)
+            .field("cost", &self.cost)
+            .field("missing", &self.missing)
+            .field("shadow", &self.shadow)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a rule does with a request it matches but finds no key for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MissingKey {
+    /// The rule does not apply to the request. To count such requests under a shared key
+    /// instead, give the extractor a fallback: `Header::from_static("x-api-key").or(Global)`.
+    Skip,
+    /// The request is refused with this status and a problem+json body naming the rule (for
+    /// gRPC, the matching gRPC status). The default is 500 Internal Server Error: a rule
+    /// whose key cannot be found is usually a misconfiguration (no `ConnectInfo`, no
+    /// authentication layer in front). Use 401 for a missing credential.
+    Reject(StatusCode),
+}
+
+impl Default for MissingKey {
+    fn default() -> Self {
+        MissingKey::Reject(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+}
+
+/// Which requests a rule matches, by path.
+#[derive(Clone, Debug)]
+pub(crate) enum Route {
+    Any,
+    Exact(Box<str>),
+    Prefix(Box<str>),
+    #[cfg(feature = "axum")]
+    Template(Box<str>),
+}
+
+impl Route {
+    #[inline]
+    pub(crate) fn matches(&self, parts: &Parts) -> bool {
+        match self {
+            Route::Any => true,
+            Route::Exact(path) => parts.uri.path() == &**path,
+            Route::Prefix(prefix) => {
+                let path = parts.uri.path();
+                match path.strip_prefix(&**prefix) {
+                    Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
+                    None => false,
+                }
+            }
+            #[cfg(feature = "axum")]
+            Route::Template(template) => parts
+                .extensions
+                .get::<axum::extract::MatchedPath>()
+                .is_some_and(|m| m.as_str() == &**template),
+        }
+    }
+}
+
+/// What a request costs.
+#[derive(Clone)]
+pub(crate) enum Cost {
+    Fixed(u64),
+    Fn(Arc<dyn Fn(&Parts) -> u64 + Send + Sync>),
+}
+
+impl Cost {
+    #[inline]
+    pub(crate) fn of(&self, parts: &Parts) -> u64 {
+        match self {
+            Cost::Fixed(c) => *c,
+            Cost::Fn(f) => f(parts),
+        }
+    }
+}
+
+impl fmt::Debug for Cost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Cost::Fixed(c) => write!(f, "Fixed({c})"),
+            Cost::Fn(_) => f.write_str("Fn(..)"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_match_whole_segments() {
+        let parts = |p: &str| http::Request::get(p).body(()).unwrap().into_parts().0;
+        let api = Route::Prefix("/api".into());
+        assert!(api.matches(&parts("/api")));
+        assert!(api.matches(&parts("/api/users")));
+        assert!(!api.matches(&parts("/apis")));
+        let slash = Route::Prefix("/api/".into());
+        assert!(slash.matches(&parts("/api/x")));
+        assert!(!slash.matches(&parts("/api")));
+        assert!(Route::Exact("/a".into()).matches(&parts("/a?x=1")));
+        assert!(!Route::Exact("/a".into()).matches(&parts("/a/")));
+    }
+}

@@ -1,0 +1,311 @@
+//! Tiers: policies chosen by who the key belongs to (free, pro, enterprise).
+
+use std::fmt;
+use std::future::Future;
+use std::hash::BuildHasher;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hashbrown::HashTable;
+use parking_lot::Mutex;
+
+use crate::Policy;
+use crate::clock::{Clock, SystemClock};
+
+/// The default time a resolved tier is remembered.
+pub const DEFAULT_TIER_TTL: Duration = Duration::from_secs(60);
+/// The default number of keys whose tier is remembered.
+pub const DEFAULT_TIER_CACHE_CAPACITY: usize = 100_000;
+
+/// Finds the tier of a key (its plan: `"free"`, `"pro"`), typically by asking a database.
+///
+/// The answer is remembered for the time the [`Tiers`] say, so the resolver is asked about a
+/// key at most once per that time (concurrent first requests of one key may each ask). `None`,
+/// or a name the `Tiers` do not know, means the default tier; that answer is remembered too.
+/// A resolver that fails should answer `None` (or the tier it wants to fall back to).
+///
+/// Any `Fn(String) -> impl Future<Output = Option<String>>` is a resolver; it gets the key the
+/// rule's extractor found.
+///
+/// ```
+/// use tollgate::limiter::TierResolver;
+///
+/// let resolver = |api_key: String| async move {
+///     // SELECT plan FROM api_keys WHERE key = $1
+///     (api_key.starts_with("pro-")).then(|| "pro".to_owned())
+/// };
+/// # let answer = tokio::runtime::Builder::new_current_thread().build().unwrap()
+/// #     .block_on(resolver.resolve("pro-123"));
+/// assert_eq!(answer.as_deref(), Some("pro"));
+/// ```
+pub trait TierResolver: Send + Sync + 'static {
+    /// The future of an answer.
+    type Future: Future<Output = Option<String>> + Send + 'static;
+
+    /// The tier of `key`, or `None` for the default tier.
+    fn resolve(&self, key: &str) -> Self::Future;
+}
+
+impl<F, Fut> TierResolver for F
+where
+    F: Fn(String) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Option<String>> + Send + 'static,
+{
+    type Future = Fut;
+
+    fn resolve(&self, key: &str) -> Fut {
+        self(key.to_owned())
+    }
+}
+
+/// A boxed answer of a resolver (only on a cache miss).
+pub(crate) type Resolving = Pin<Box<dyn Future<Output = Option<String>> + Send>>;
+
+trait ErasedResolver: Send + Sync {
+    fn resolve(&self, key: &str) -> Resolving;
+}
+
+impl<R: TierResolver> ErasedResolver for R {
+    fn resolve(&self, key: &str) -> Resolving {
+        Box::pin(TierResolver::resolve(self, key))
+    }
+}
+
+/// The tiers of a [`Rule`](super::Rule): a resolver, each tier's policies, the default tier,
+/// and how long answers are remembered.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::{Policy, Rate};
+/// use tollgate::key::Header;
+/// use tollgate::limiter::{Rule, Tiers};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let tiers = Tiers::new(|key: String| async move { (key == "k-1").then(|| "pro".to_owned()) })
+///     .tier("free", [Policy::gcra(Rate::per_minute(60), 10)?.named("free")?])
+///     .tier("pro", [
+///         Policy::gcra(Rate::per_minute(600), 100)?.named("pro")?,
+///         Policy::fixed_window(50_000, Duration::from_secs(86_400))?.named("pro-daily")?,
+///     ])
+///     .default_tier("free")
+///     .cache_for(Duration::from_secs(300));
+/// let rule = Rule::new("plan").key(Header::from_static("x-api-key")).tiers(tiers);
+/// # let _ = rule;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Tiers {
+    resolver: Arc<dyn ErasedResolver>,
+    pub(crate) tiers: Vec<(String, Vec<Policy>)>,
+    pub(crate) default: Option<String>,
+    ttl: Duration,
+    capacity: usize,
+    clock: Arc<dyn Clock>,
+}
+
+impl Tiers {
+    /// Tiers found by `resolver`; add the tiers with [`Tiers::tier`].
+    pub fn new(resolver: impl TierResolver) -> Self {
+        Self {
+            resolver: Arc::new(resolver),
+            tiers: Vec::new(),
+            default: None,
+            ttl: DEFAULT_TIER_TTL,
+            capacity: DEFAULT_TIER_CACHE_CAPACITY,
+            clock: Arc::new(SystemClock::new()),
+        }
+    }
+
+    /// A tier and its policies (all of which must admit a request).
+    pub fn tier(
+        mut self,
+        name: impl Into<String>,
+        policies: impl IntoIterator<Item = Policy>,
+    ) -> Self {
+        self.tiers
+            .push((name.into(), policies.into_iter().collect()));
+        self
+    }
+
+    /// The tier of keys the resolver does not place (the first tier unless set).
+    pub fn default_tier(mut self, name: impl Into<String>) -> Self {
+        self.default = Some(name.into());
+        self
+    }
+
+    /// How long an answer is remembered (60 s by default; zero asks on every request).
+    pub fn cache_for(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How many keys' answers are remembered at most (100 000 by default). When full, answers
+    /// past their time are dropped first, then an arbitrary eighth of the rest.
+    pub fn cache_capacity(mut self, capacity: usize) -> Self {
+        self.capacity = capacity.max(1);
+        self
+    }
+
+    /// The clock that times the cache (the system's monotonic clock by default; a
+    /// [`ManualClock`](crate::clock::ManualClock) in tests).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    pub(crate) fn into_resolved(self, default: u16) -> TierLookup {
+        let names = self.tiers.iter().map(|(n, _)| n.as_str().into()).collect();
+        TierLookup {
+            resolver: self.resolver,
+            names,
+            default,
+            ttl: u64::try_from(self.ttl.as_nanos()).unwrap_or(u64::MAX),
+            cache: TierCache {
+                table: Mutex::new(HashTable::new()),
+                hasher: foldhash::fast::RandomState::default(),
+                capacity: self.capacity,
+            },
+            clock: self.clock,
+        }
+    }
+}
+
+impl fmt::Debug for Tiers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tiers")
+            .field("tiers", &self.tiers)
+            .field("default", &self.default)
+            .field("ttl", &self.ttl)
+            .field("capacity", &self.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The tiers of a built rule: the resolver, the names (index = tier), and the cache.
+pub(crate) struct TierLookup {
+    resolver: Arc<dyn ErasedResolver>,
+    names: Box<[Box<str>]>,
+    default: u16,
+    ttl: u64,
+    cache: TierCache,
+    clock: Arc<dyn Clock>,
+}
+
+impl TierLookup {
+    /// The remembered tier of a key, if it is still fresh.
+    #[inline]
+    pub(crate) fn cached(&self, key: &str) -> Option<u16> {
+        self.cache.get(key, self.clock.now())
+    }
+
+    /// Asks the resolver.
+    pub(crate) fn resolve(&self, key: &str) -> Resolving {
+        self.resolver.resolve(key)
+    }
+
+    /// Turns an answer into a tier and remembers it for `key`.
+    pub(crate) fn remember(&self, key: &str, answer: Option<&str>) -> u16 {
+        let tier = answer
+            .and_then(|a| self.names.iter().position(|n| **n == *a))
+            .and_then(|i| u16::try_from(i).ok())
+            .unwrap_or(self.default);
+        if self.ttl > 0 {
+            let now = self.clock.now();
+            self.cache
+                .insert(key, tier, now.saturating_add(self.ttl), now);
+        }
+        tier
+    }
+}
+
+struct TierCache {
+    table: Mutex<HashTable<CacheEntry>>,
+    hasher: foldhash::fast::RandomState,
+    capacity: usize,
+}
+
+struct CacheEntry {
+    key: Box<str>,
+    tier: u16,
+    expires: u64,
+}
+
+impl TierCache {
+    fn get(&self, key: &str, now: u64) -> Option<u16> {
+        let hash = self.hasher.hash_one(key);
+        let table = self.table.lock();
+        table
+            .find(hash, |e| *e.key == *key)
+            .filter(|e| e.expires > now)
+            .map(|e| e.tier)
+    }
+
+    fn insert(&self, key: &str, tier: u16, expires: u64, now: u64) {
+        let hash = self.hasher.hash_one(key);
+        let mut table = self.table.lock();
+        if let Some(e) = table.find_mut(hash, |e| *e.key == *key) {
+            e.tier = tier;
+            e.expires = expires;
+            return;
+        }
+        if table.len() >= self.capacity {
+            table.retain(|e| e.expires > now);
+            if table.len() >= self.capacity {
+                let mut n = 0usize;
+                table.retain(|_| {
+                    n += 1;
+                    n % 8 != 0
+                });
+            }
+            if table.len() >= self.capacity {
+                table.clear();
+            }
+        }
+        let hasher = &self.hasher;
+        table.insert_unique(
+            hash,
+            CacheEntry {
+                key: key.into(),
+                tier,
+                expires,
+            },
+            |e| hasher.hash_one(&*e.key),
+        );
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.table.lock().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    #[test]
+    fn answers_are_remembered_for_their_time_and_bounded() {
+        let clock = ManualClock::new();
+        let tiers = Tiers::new(|_k: String| async { None })
+            .tier("free", [])
+            .tier("pro", [])
+            .cache_for(Duration::from_secs(10))
+            .cache_capacity(8)
+            .clock(clock.clone())
+            .into_resolved(0);
+        assert_eq!(tiers.cached("a"), None);
+        assert_eq!(tiers.remember("a", Some("pro")), 1);
+        assert_eq!(tiers.remember("b", Some("gold")), 0); // unknown: default
+        assert_eq!(tiers.remember("c", None), 0);
+        assert_eq!(tiers.cached("a"), Some(1));
+        clock.advance(Duration::from_secs(10));
+        assert_eq!(tiers.cached("a"), None);
+        for i in 0..100 {
+            tiers.remember(&format!("k{i}"), Some("pro"));
+            assert!(tiers.cache.len() <= 8);
+        }
+        assert_eq!(tiers.cached("k99"), Some(1));
+    }
+}

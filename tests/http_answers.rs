@@ -1,0 +1,370 @@
+//! What clients see, through a real axum server over loopback: the IETF fields on admitted and
+//! refused responses (parsed back as Structured Fields), 429 with Retry-After, no-store and a
+//! problem+json body, the legacy profile, 503 for a failing store, missing keys, a custom
+//! responder, and the decision handed to the handler.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::routing::get;
+use axum::{Extension, Router};
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use support::{Client, DownStore, serve, store};
+use tollgate::http::{HeaderProfile, Rejection, RejectionKind, ResetFormat};
+use tollgate::key::{Header, PeerIp};
+use tollgate::limiter::{MissingKey, Rule};
+use tollgate::{Decision, Policy, Rate, RateLimitLayer, Store};
+
+/// An app whose handler counts the requests it sees.
+fn app<St: Store + Clone>(layer: RateLimitLayer<St>) -> (Router, Arc<AtomicUsize>) {
+    let seen = Arc::new(AtomicUsize::new(0));
+    let counter = seen.clone();
+    let app = Router::new()
+        .route(
+            "/",
+            get(move || {
+                counter.fetch_add(1, Ordering::SeqCst);
+                async { "hello" }
+            }),
+        )
+        .layer(layer);
+    (app, seen)
+}
+
+fn burst_and_minute() -> Rule {
+    Rule::new("per-ip").key(PeerIp::new()).policies([
+        Policy::gcra(Rate::per_second(1), 3)
+            .unwrap()
+            .named("burst")
+            .unwrap(),
+        Policy::fixed_window(100, Duration::from_secs(60))
+            .unwrap()
+            .named("per-minute")
+            .unwrap(),
+    ])
+}
+
+#[tokio::test]
+async fn admitted_responses_carry_the_ietf_fields() {
+    let (store, _clock) = store();
+    let layer = RateLimitLayer::builder(store)
+        .rule(burst_and_minute())
+        .build()
+        .unwrap();
+    let (app, _) = app(layer);
+    let client = Client::new(serve(app).await);
+
+    let first = client.get("/").await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.text(), "hello");
+    // The exact bytes, and the same parsed back as a Structured Fields List.
+    assert_eq!(
+        first.header("ratelimit-policy"),
+        Some(r#""burst";q=3;w=3, "per-minute";q=100;w=60"#)
+    );
+    let policies = first.policies();
+    assert_eq!(policies["burst"], (3, 3));
+    assert_eq!(policies["per-minute"], (100, 60));
+    // The policy closest to exhaustion: 2 of 3 left in the burst, full again in 1 s.
+    assert_eq!(first.header("ratelimit"), Some(r#""burst";r=2;t=1"#));
+    assert_eq!(first.ratelimit(), ("burst".into(), 2, 1));
+    assert!(first.header("retry-after").is_none());
+    assert!(first.header("x-ratelimit-limit").is_none());
+
+    let second = client.get("/").await;
+    assert_eq!(second.ratelimit(), ("burst".into(), 1, 2));
+}
+
+#[tokio::test]
+async fn refusals_are_429_with_retry_after_no_store_and_a_problem() {
+    let (store, clock) = store();
+    let layer = RateLimitLayer::builder(store)
+        .rule(burst_and_minute())
+        .build()
+        .unwrap();
+    let (app, seen) = app(layer);
+    let client = Client::new(serve(app).await);
+
+    for _ in 0..3 {
+        assert_eq!(client.get("/").await.status, StatusCode::OK);
+    }
+    let refused = client.get("/").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        3,
+        "the handler never saw the refusal"
+    );
+
+    let retry_after = refused.retry_after().unwrap();
+    assert_eq!(retry_after, 1);
+    let (name, remaining, t) = refused.ratelimit();
+    assert_eq!((name.as_str(), remaining), ("burst", 0));
+    assert!(
+        t as u64 <= retry_after,
+        "t={t} later than Retry-After={retry_after}"
+    );
+    assert_eq!(refused.policies().len(), 2);
+    assert_eq!(refused.header("cache-control"), Some("no-store"));
+    assert_eq!(
+        refused.header("content-type"),
+        Some("application/problem+json")
+    );
+
+    let problem = refused.json();
+    assert_eq!(
+        problem["type"],
+        "https://iana.org/assignments/http-problem-types#quota-exceeded"
+    );
+    assert_eq!(problem["status"], 429);
+    assert!(problem["title"].as_str().unwrap().contains("quota"));
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(detail.contains("\"burst\" allows 3 per 3 s"), "{detail}");
+    assert_eq!(problem["violated-policies"], serde_json::json!(["burst"]));
+    assert_eq!(problem["retry-after"], 1);
+
+    // A refusal consumed nothing: exactly one interval later, one more request passes.
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(client.get("/").await.status, StatusCode::OK);
+    assert_eq!(client.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
+}
+
+#[tokio::test]
+async fn retry_after_rounds_up_and_t_never_exceeds_it() {
+    let (store, clock) = store();
+    // One request every 2.5 s.
+    let rule = Rule::new("slow")
+        .key(PeerIp::new())
+        .policy(Policy::gcra(Rate::new(2, Duration::from_secs(5)), 1).unwrap());
+    let layer = RateLimitLayer::builder(store).rule(rule).build().unwrap();
+    let (app, _) = app(layer);
+    let client = Client::new(serve(app).await);
+
+    let first = client.get("/").await;
+    assert_eq!(first.ratelimit(), ("slow".into(), 0, 3)); // 2.5 s, rounded up
+    assert_eq!(first.policies()["slow"], (1, 3));
+    let mut last_t = i64::MAX;
+    for advance_ms in [0, 500, 1000, 900, 90] {
+        clock.advance(Duration::from_millis(advance_ms));
+        let refused = client.get("/").await;
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+        let retry_after = refused.retry_after().unwrap();
+        let (_, _, t) = refused.ratelimit();
+        assert!(t as u64 <= retry_after);
+        assert!(retry_after >= 1);
+        assert!(t <= last_t);
+        last_t = t;
+    }
+    // 2.49 s have passed: 10 ms to go, announced as 1 s.
+    let refused = client.get("/").await;
+    assert_eq!(refused.retry_after(), Some(1));
+    clock.advance(Duration::from_millis(10));
+    assert_eq!(client.get("/").await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn header_profiles() {
+    let rule = || {
+        Rule::new("p")
+            .key(PeerIp::new())
+            .policy(Policy::fixed_window(2, Duration::from_secs(10)).unwrap())
+    };
+    let serve_with = |profile: HeaderProfile, reset: ResetFormat| {
+        let (store, _clock) = store();
+        let layer = RateLimitLayer::builder(store)
+            .rule(rule())
+            .headers(profile)
+            .legacy_reset(reset)
+            .build()
+            .unwrap();
+        async move { Client::new(serve(app(layer).0).await) }
+    };
+
+    let legacy = serve_with(HeaderProfile::Legacy, ResetFormat::DeltaSeconds).await;
+    let ok = legacy.get("/").await;
+    assert_eq!(ok.header("x-ratelimit-limit"), Some("2"));
+    assert_eq!(ok.header("x-ratelimit-remaining"), Some("1"));
+    assert_eq!(ok.header("x-ratelimit-reset"), Some("10"));
+    assert!(ok.header("ratelimit").is_none() && ok.header("ratelimit-policy").is_none());
+    legacy.get("/").await;
+    let refused = legacy.get("/").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.header("x-ratelimit-remaining"), Some("0"));
+    assert_eq!(
+        refused.header("x-ratelimit-reset"),
+        refused.header("retry-after")
+    );
+
+    let unix = serve_with(HeaderProfile::Legacy, ResetFormat::UnixSeconds).await;
+    let reset: u64 = unix
+        .get("/")
+        .await
+        .header("x-ratelimit-reset")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(reset > 1_700_000_000, "a Unix time: {reset}");
+
+    let both = serve_with(HeaderProfile::Both, ResetFormat::DeltaSeconds).await;
+    let ok = both.get("/").await;
+    assert_eq!(ok.ratelimit(), ("p".into(), 1, 10));
+    assert_eq!(ok.header("x-ratelimit-remaining"), Some("1"));
+
+    let off = serve_with(HeaderProfile::Off, ResetFormat::DeltaSeconds).await;
+    let ok = off.get("/").await;
+    assert!(ok.headers.keys().all(|k| !k.as_str().contains("ratelimit")));
+    off.get("/").await;
+    let refused = off.get("/").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.retry_after(), Some(10));
+    assert!(
+        refused
+            .headers
+            .keys()
+            .all(|k| !k.as_str().contains("ratelimit"))
+    );
+}
+
+#[tokio::test]
+async fn a_failing_store_is_503_never_429() {
+    let layer = RateLimitLayer::builder(DownStore)
+        .rule(
+            Rule::new("per-ip")
+                .key(PeerIp::new())
+                .policy(Policy::gcra(Rate::per_second(1), 1).unwrap()),
+        )
+        .unavailable_retry_after(Duration::from_millis(4500))
+        .build()
+        .unwrap();
+    let (app, seen) = app(layer);
+    let client = Client::new(serve(app).await);
+    let answer = client.get("/").await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answer.retry_after(), Some(5));
+    assert_eq!(answer.header("cache-control"), Some("no-store"));
+    assert_eq!(answer.json()["status"], 503);
+    assert!(answer.header("ratelimit").is_none());
+    assert_eq!(seen.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn missing_keys_follow_the_rule() {
+    let policy = || Policy::fixed_window(1, Duration::from_secs(60)).unwrap();
+    let (first_store, _clock) = store();
+    let layer = RateLimitLayer::builder(first_store)
+        .rule(
+            Rule::new("by-tenant")
+                .key(Header::from_static("x-tenant"))
+                .on_missing_key(MissingKey::Skip)
+                .policy(policy()),
+        )
+        .rule(
+            Rule::new("by-key")
+                .path("/")
+                .key(Header::from_static("x-api-key"))
+                .on_missing_key(MissingKey::Reject(StatusCode::UNAUTHORIZED))
+                .policy(policy()),
+        )
+        .build()
+        .unwrap();
+    let (app, seen) = app(layer);
+    let app = app.route("/other", get(|| async { "other" }));
+    let client = Client::new(serve(app).await);
+
+    let no_key = client.get("/").await;
+    assert_eq!(no_key.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(no_key.json()["status"], 401);
+    assert!(no_key.json()["detail"].as_str().unwrap().contains("by-key"));
+    assert_eq!(seen.load(Ordering::SeqCst), 0);
+
+    // The tenant rule is skipped without the header; the key rule applies.
+    let ok = client.get_with("/", &[("x-api-key", "k1")]).await;
+    assert_eq!(ok.status, StatusCode::OK);
+    assert_eq!(ok.policies().len(), 1);
+    // A route no rule matches has no fields.
+    let other = client.get("/other").await;
+    assert_eq!(other.status, StatusCode::OK);
+    assert!(other.header("ratelimit").is_none());
+
+    // The default for a rule without a key is a loud 500 (here: no ConnectInfo behind a
+    // plain `serve` would do the same for PeerIp).
+    let (strict_store, _clock) = store();
+    let strict = RateLimitLayer::builder(strict_store)
+        .rule(
+            Rule::new("strict")
+                .key(Header::from_static("x-user"))
+                .policy(policy()),
+        )
+        .build()
+        .unwrap();
+    let client = Client::new(serve(app_router(strict)).await);
+    let answer = client.get("/").await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(answer.json()["detail"].as_str().unwrap().contains("strict"));
+}
+
+fn app_router<St: Store + Clone>(layer: RateLimitLayer<St>) -> Router {
+    app(layer).0
+}
+
+#[tokio::test]
+async fn the_responder_is_pluggable() {
+    let (store, _clock) = store();
+    let layer = RateLimitLayer::builder(store)
+        .rule(
+            Rule::new("p")
+                .key(PeerIp::new())
+                .policy(Policy::fixed_window(1, Duration::from_secs(30)).unwrap()),
+        )
+        .responder(|rejection: &Rejection<'_>| {
+            assert_eq!(rejection.kind(), RejectionKind::Limited);
+            assert_eq!(rejection.policy(), Some("p"));
+            Response::builder()
+                .status(StatusCode::TOO_MANY_REQUESTS)
+                .header("content-type", "text/plain")
+                .header(
+                    "retry-after",
+                    rejection.retry_after_secs().unwrap().to_string(),
+                )
+                .body(Bytes::from("slow down"))
+                .unwrap()
+        })
+        .build()
+        .unwrap();
+    let client = Client::new(serve(app(layer).0).await);
+    client.get("/").await;
+    let refused = client.get("/").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.text(), "slow down");
+    assert_eq!(refused.retry_after(), Some(30));
+    // The fields are still added.
+    assert_eq!(refused.ratelimit(), ("p".into(), 0, 30));
+}
+
+#[tokio::test]
+async fn handlers_read_the_decision() {
+    let (store, _clock) = store();
+    let layer = RateLimitLayer::builder(store)
+        .rule(
+            Rule::new("p")
+                .key(PeerIp::new())
+                .policy(Policy::fixed_window(5, Duration::from_secs(30)).unwrap()),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/",
+            get(|Extension(decision): Extension<Decision>| async move {
+                format!("{} of {} left", decision.remaining(), decision.limit())
+            }),
+        )
+        .layer(layer);
+    let client = Client::new(serve(app).await);
+    assert_eq!(client.get("/").await.text(), "4 of 5 left");
+    assert_eq!(client.get("/").await.text(), "3 of 5 left");
+}

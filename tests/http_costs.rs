@@ -1,0 +1,121 @@
+//! Weighted costs through a real server: a fixed weight per route and a closure over the
+//! request, against one shared bucket.
+
+mod support;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::{get, post};
+use http::{Method, StatusCode};
+use support::{Client, serve, store};
+use tollgate::key::PeerIp;
+use tollgate::limiter::Rule;
+use tollgate::{Policy, Rate, RateLimitLayer};
+
+#[tokio::test]
+async fn expensive_routes_cost_more_from_one_bucket() {
+    let (store, clock) = store();
+    let layer = RateLimitLayer::builder(store)
+        // One bucket per client; a search costs 1, an export 4.
+        .rule(
+            Rule::new("api")
+                .key(PeerIp::new())
+                .cost_fn(|parts| if parts.uri.path() == "/export" { 4 } else { 1 })
+                .policy(Policy::token_bucket(Rate::per_second(1), 10).unwrap()),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/search", get(|| async { "results" }))
+        .route("/export", post(|| async { "exported" }));
+    let client = Client::new(serve(app.layer(layer)).await);
+
+    let export = || client.send(Method::POST, "/export", &[]);
+    assert_eq!(export().await.ratelimit(), ("api".into(), 6, 4));
+    assert_eq!(export().await.ratelimit(), ("api".into(), 2, 8));
+    // 2 tokens left: an export (4) is refused and waits for exactly 2 more...
+    let refused = export().await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.retry_after(), Some(2));
+    assert_eq!(refused.ratelimit(), ("api".into(), 2, 2));
+    // ...while a search (1) still fits: the refused export took nothing.
+    let search = client.get("/search").await;
+    assert_eq!(search.status, StatusCode::OK);
+    assert_eq!(search.ratelimit(), ("api".into(), 1, 9));
+    clock.advance(Duration::from_secs(3));
+    assert_eq!(export().await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_fixed_weight_per_route() {
+    let (store, _clock) = store();
+    let layer = RateLimitLayer::builder(store)
+        .rule(
+            Rule::new("export")
+                .method(Method::POST)
+                .path("/export")
+                .key(PeerIp::new())
+                .cost(4)
+                .policy(Policy::fixed_window(10, Duration::from_secs(60)).unwrap()),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new().route(
+        "/export",
+        post(|| async { "exported" }).get(|| async { "form" }),
+    );
+    let client = Client::new(serve(app.layer(layer)).await);
+    let export = || client.send(Method::POST, "/export", &[]);
+    assert_eq!(export().await.ratelimit(), ("export".into(), 6, 60));
+    assert_eq!(export().await.ratelimit(), ("export".into(), 2, 60));
+    let refused = export().await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.ratelimit(), ("export".into(), 2, 60));
+    // GET is not the rule's method: free.
+    let form = client.get("/export").await;
+    assert_eq!(form.status, StatusCode::OK);
+    assert!(form.header("ratelimit").is_none());
+}
+
+#[tokio::test]
+async fn costs_from_a_closure_over_the_request() {
+    let (store, _clock) = store();
+    let layer = RateLimitLayer::builder(store)
+        .rule(
+            Rule::new("units")
+                .key(PeerIp::new())
+                // The client says how many items it asks for; the cost is that, at least 1.
+                .cost_fn(|parts| {
+                    parts
+                        .headers
+                        .get("x-items")
+                        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                        .unwrap_or(1)
+                        .max(1)
+                })
+                .policy(Policy::fixed_window(100, Duration::from_secs(60)).unwrap()),
+        )
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let client = Client::new(serve(app).await);
+
+    let a = client.get_with("/", &[("x-items", "30")]).await;
+    assert_eq!(a.ratelimit(), ("units".into(), 70, 60));
+    let b = client.get_with("/", &[("x-items", "not a number")]).await;
+    assert_eq!(b.ratelimit(), ("units".into(), 69, 60));
+    let c = client.get_with("/", &[("x-items", "70")]).await;
+    assert_eq!(c.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(c.ratelimit().1, 69);
+    // A cost above the limit is counted as the whole limit, not refused forever: it waits for
+    // a fresh window.
+    let huge = client.get_with("/", &[("x-items", "100000")]).await;
+    assert_eq!(huge.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(huge.retry_after(), Some(60));
+    let d = client.get_with("/", &[("x-items", "69")]).await;
+    assert_eq!(d.status, StatusCode::OK);
+    assert_eq!(d.ratelimit().1, 0);
+}

@@ -1,0 +1,92 @@
+//! Stacked rules (user, tenant, global) through a real server: a request is admitted only if
+//! every rule admits it, and a refused request consumes from none of them.
+
+mod support;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::get;
+use http::StatusCode;
+use support::{Client, serve, store};
+use tollgate::key::{Global, Header};
+use tollgate::limiter::Rule;
+use tollgate::{Check, Policy, RateLimitLayer};
+
+fn window(limit: u64) -> Policy {
+    Policy::fixed_window(limit, Duration::from_secs(60)).unwrap()
+}
+
+#[tokio::test]
+async fn stacked_rules_consume_nothing_on_refusal() {
+    let (store, _clock) = store();
+    let layer = RateLimitLayer::builder(store.clone())
+        .rule(
+            Rule::new("user")
+                .key(Header::from_static("x-user"))
+                .policy(window(2)),
+        )
+        .rule(
+            Rule::new("tenant")
+                .key(Header::from_static("x-tenant"))
+                .policy(window(3)),
+        )
+        .rule(Rule::new("global").key(Global).policy(window(100)))
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let client = Client::new(serve(app).await);
+    let get = |user: &'static str| {
+        let client = client.clone();
+        async move {
+            client
+                .get_with("/", &[("x-user", user), ("x-tenant", "acme")])
+                .await
+        }
+    };
+
+    let a1 = get("alice").await;
+    assert_eq!(a1.status, StatusCode::OK);
+    assert_eq!(
+        a1.header("ratelimit-policy"),
+        Some(r#""user";q=2;w=60, "tenant";q=3;w=60, "global";q=100;w=60"#)
+    );
+    assert_eq!(a1.ratelimit(), ("user".into(), 1, 60));
+    assert_eq!(get("alice").await.ratelimit(), ("user".into(), 0, 60));
+
+    // Alice is over her limit; the refusal names her rule and costs the tenant nothing.
+    for _ in 0..5 {
+        let refused = get("alice").await;
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused.json()["violated-policies"][0], "user");
+    }
+    let b1 = get("bob").await;
+    assert_eq!(b1.status, StatusCode::OK, "the tenant still had one left");
+    assert_eq!(b1.ratelimit(), ("tenant".into(), 0, 60));
+
+    // Now the tenant is out: Bob is refused by it, and his own count stays at one.
+    let refused = get("bob").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.json()["violated-policies"][0], "tenant");
+    let peek = |key: &'static str, limit| {
+        let policy = window(limit);
+        let store = store.clone();
+        async move {
+            store
+                .check_all(&[Check::new(key, &policy, 0)])
+                .await
+                .unwrap()
+                .remaining()
+        }
+    };
+    assert_eq!(peek("user:bob", 2).await, 1);
+    assert_eq!(peek("user:alice", 2).await, 0);
+    assert_eq!(peek("tenant:acme", 3).await, 0);
+    assert_eq!(
+        peek("global:", 100).await,
+        97,
+        "only the three admitted requests"
+    );
+}
