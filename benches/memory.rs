@@ -16,7 +16,8 @@
 //! Both limiters read the machine's monotonic clock: tollgate's `SystemClock`, and governor's
 //! default clock (`RateLimiter::keyed`, a `QuantaClock`). BENCHMARKS.md has the figures.
 
-#![allow(clippy::expect_used)] // a benchmark set-up that fails should stop loudly
+#![allow(clippy::expect_used)]
+// a benchmark set-up that fails should stop loudly
 // Timing the threads of a two-thread run needs the real clock, not a limiter's.
 #![allow(clippy::disallowed_methods)]
 
