@@ -107,7 +107,7 @@ struct Slot<S> {
 impl<S> Slot<S> {
     #[inline]
     fn is(&self, policy: u64, key: &str) -> bool {
-        self.policy == policy && self.key.as_bytes() == key.as_bytes()
+        self.policy == policy && self.key.is(key.as_bytes())
     }
 }
 
@@ -491,6 +491,17 @@ impl Key {
                 Key::Inline { len, bytes }
             }
             _ => Key::Heap(key.into()),
+        }
+    }
+
+    /// Whether this is `key`; an inline key is compared in place, without a call to `memcmp`.
+    #[inline]
+    fn is(&self, key: &[u8]) -> bool {
+        match self {
+            Key::Inline { len, bytes } => {
+                *len as usize == key.len() && bytes.iter().zip(key).all(|(a, b)| a == b)
+            }
+            Key::Heap(own) => own.as_bytes() == key,
         }
     }
 
