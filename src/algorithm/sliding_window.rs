@@ -79,6 +79,8 @@ impl SlidingWindow {
 
     /// The first instant at which a request of `cost` would be admitted, given the counts of
     /// the window that started at `start` and `elapsed` into it (which rejects it now).
+    #[cold]
+    #[inline(never)]
     fn admitted_at(
         limit: u64,
         window: u64,
