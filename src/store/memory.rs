@@ -98,13 +98,20 @@ struct Shard {
 type Table<S> = HashTable<Slot<S>>;
 
 /// The state of one (key, policy) pair.
-struct Slot<S> {
+struct Slot<S: Kept> {
     policy: u64,
     key: Key,
     state: S,
+    /// Takes no room; sets the slot's alignment.
+    _align: S::Align,
 }
 
-impl<S> Slot<S> {
+/// Aligns a 64-byte slot on a cache line, so that reading it costs one line, not two.
+#[derive(Clone, Copy, Default)]
+#[repr(align(64))]
+struct CacheLine;
+
+impl<S: Kept> Slot<S> {
     #[inline]
     fn is(&self, policy: u64, key: &str) -> bool {
         self.policy == policy && self.key.is(key.as_bytes())
@@ -145,6 +152,9 @@ macro_rules! with_kept {
 
 /// What a table keeps for one algorithm: its state, and how to decide, commit and expire it.
 trait Kept: Sized {
+    /// `()`, or [`CacheLine`] for a slot of exactly 64 bytes.
+    type Align: Default;
+
     /// The state of a key never seen under `policy`.
     fn fresh(policy: &Policy) -> Self;
 
@@ -176,6 +186,8 @@ enum Update {
 
 // GCRA's state is its own expiry: the theoretical arrival time.
 impl Kept for Gcra {
+    type Align = ();
+
     fn fresh(_: &Policy) -> Self {
         Gcra::default()
     }
@@ -209,6 +221,8 @@ impl Kept for Gcra {
 
 // So is the leaky bucket's: the time its level drains to zero.
 impl Kept for LeakyBucket {
+    type Align = ();
+
     fn fresh(_: &Policy) -> Self {
         LeakyBucket::default()
     }
@@ -248,6 +262,7 @@ struct Timed<S> {
 
 /// The pure algorithm behind a [`Timed`] state.
 trait Algo: Sized {
+    type Align: Default;
     fn fresh(policy: &Policy) -> Self;
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update);
     fn apply(&mut self, policy: &Policy, update: Update);
@@ -257,6 +272,8 @@ trait Algo: Sized {
 }
 
 impl<S: Algo> Kept for Timed<S> {
+    type Align = S::Align;
+
     fn fresh(policy: &Policy) -> Self {
         Timed {
             expires: 0,
@@ -290,6 +307,8 @@ impl<S: Algo> Kept for Timed<S> {
 }
 
 impl Algo for TokenBucket {
+    type Align = ();
+
     fn fresh(policy: &Policy) -> Self {
         TokenBucket::full(policy.limit(), policy.period_nanos())
     }
@@ -322,6 +341,8 @@ impl Algo for TokenBucket {
 }
 
 impl Algo for FixedWindow {
+    type Align = ();
+
     fn fresh(_: &Policy) -> Self {
         FixedWindow::default()
     }
@@ -354,6 +375,8 @@ impl Algo for FixedWindow {
 }
 
 impl Algo for SlidingWindow {
+    type Align = CacheLine;
+
     fn fresh(_: &Policy) -> Self {
         SlidingWindow::default()
     }
@@ -386,6 +409,8 @@ impl Algo for SlidingWindow {
 }
 
 impl Algo for SlidingLog {
+    type Align = ();
+
     fn fresh(_: &Policy) -> Self {
         SlidingLog::default()
     }
@@ -456,7 +481,7 @@ impl Shard {
 
     /// Gives the tables' spare capacity back to the allocator.
     fn shrink_to_fit(&mut self, hash: impl Fn(u64, &[u8]) -> u64) {
-        fn shrink<S>(table: &mut Table<S>, hash: &impl Fn(u64, &[u8]) -> u64) {
+        fn shrink<S: Kept>(table: &mut Table<S>, hash: &impl Fn(u64, &[u8]) -> u64) {
             table.shrink_to_fit(|slot| hash(slot.policy, slot.key.as_bytes()));
         }
         shrink(&mut self.gcra, &hash);
@@ -546,6 +571,7 @@ const _: () = {
     assert!(size_of::<Slot<Timed<TokenBucket>>>() == 56);
     assert!(size_of::<Slot<Timed<FixedWindow>>>() == 56);
     assert!(size_of::<Slot<Timed<SlidingWindow>>>() == 64);
+    assert!(align_of::<Slot<Timed<SlidingWindow>>>() == 64);
     assert!(size_of::<Slot<Timed<SlidingLog>>>() == 80);
 };
 
@@ -817,6 +843,7 @@ impl<C> Inner<C> {
             policy: policy.id(),
             key: Key::new(key),
             state,
+            _align: K::Align::default(),
         };
         K::table_mut(shard).insert_unique(hash, slot, |s| self.hash(s.policy, s.key.as_bytes()));
     }
@@ -947,6 +974,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
