@@ -3,7 +3,7 @@
 //! Bytes per tracked key: tollgate's in-process store (each algorithm) and governor's keyed
 //! limiter (`RateLimiter::keyed`), measured with a counting global allocator. Each limiter starts
 //! empty, the keys (`user:0`, `user:1`, ...) are built beforehand, and then every key is checked
-//! once (cost 1, admitted), so that each holds one piece of live state.
+//! once (cost 1, admitted; 10 per second, burst 10), so that each holds one piece of live state.
 //!
 //! Two figures per limiter, each measured in a fresh process (so that no memory freed by an
 //! earlier measurement is reused):
@@ -16,7 +16,8 @@
 //!   allocator overhead included (Linux only).
 //!
 //! A hash table doubles when it fills, so the figures depend on where the key count falls
-//! between two powers of two: hence two sizes.
+//! between two powers of two: hence two sizes. And tollgate keeps a key of up to 23 bytes
+//! inside its slot, so a third set has 32-byte keys.
 
 #![allow(clippy::expect_used)] // a benchmark set-up that fails should stop loudly
 
@@ -40,7 +41,21 @@ const LIMITERS: [&str; 7] = [
     "sliding_log",
     "governor",
 ];
-const SIZES: [usize; 2] = [100_000, 1_000_000];
+/// (key count, long keys?): short keys are `user:{i}`, long ones `api-key:{i:024}` (32 bytes,
+/// past the 23 bytes tollgate keeps inside a slot).
+const SETS: [(usize, bool); 3] = [(100_000, false), (1_000_000, false), (100_000, true)];
+
+fn keys(count: usize, long: bool) -> Vec<String> {
+    (0..count)
+        .map(|i| {
+            if long {
+                format!("api-key:{i:024}")
+            } else {
+                format!("user:{i}")
+            }
+        })
+        .collect()
+}
 
 fn policy(name: &str) -> Option<Policy> {
     let (rate, window) = (Rate::per_second(10), Duration::from_secs(1));
@@ -65,8 +80,8 @@ fn resident() -> Option<u64> {
 }
 
 /// Fills one limiter with `count` keys and prints `requested blocks resident` per key.
-fn measure(name: &str, count: usize) {
-    let keys: Vec<String> = (0..count).map(|i| format!("user:{i}")).collect();
+fn measure(name: &str, count: usize, long: bool) {
+    let keys = keys(count, long);
     let policy = policy(name);
     let store = MemoryStore::new();
     let governor = RateLimiter::keyed(Quota::per_second(NonZeroU32::new(10).expect("ten")));
@@ -100,17 +115,20 @@ fn measure(name: &str, count: usize) {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; a child gets `--one NAME COUNT`.
+    // `cargo bench` passes `--bench`; a child gets `--one NAME COUNT LONG`.
     let args: Vec<String> = std::env::args().collect();
-    if let [_, flag, name, count] = args.as_slice() {
+    if let [_, flag, name, count, long] = args.as_slice() {
         if flag == "--one" {
-            measure(name, count.parse().expect("a key count"));
+            measure(name, count.parse().expect("a key count"), long == "long");
             return;
         }
     }
     let me = std::env::current_exe().expect("the path of this benchmark");
-    for count in SIZES {
-        println!("\n{count} keys (`user:0` .. `user:{}`):", count - 1);
+    for (count, long) in SETS {
+        let keys = keys(count, long);
+        let (first, last) = (&keys[0], &keys[count - 1]);
+        println!("\n{count} keys (`{first}` .. `{last}`):");
+        drop(keys);
         println!(
             "  {:<24} {:>18} {:>14} {:>18}",
             "limiter", "requested B/key", "blocks/key", "resident B/key"
@@ -118,6 +136,7 @@ fn main() {
         for name in LIMITERS {
             let out = Command::new(&me)
                 .args(["--one", name, &count.to_string()])
+                .arg(if long { "long" } else { "short" })
                 .output()
                 .expect("a child measurement");
             let text = String::from_utf8_lossy(&out.stdout);
