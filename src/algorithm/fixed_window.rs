@@ -15,6 +15,7 @@ impl FixedWindow {
     /// Checks a request of `cost` at `now` against `limit` per window of `window` ns. Admit
     /// when `count + cost <= limit`; only admitted cost is counted, and a rejection returns the
     /// state unchanged.
+    #[inline]
     pub fn check(self, limit: u64, window: u64, now: u64, cost: u64) -> (Self, Decision) {
         let k = (now / window).max(self.window);
         let count = if k == self.window { self.count } else { 0 };

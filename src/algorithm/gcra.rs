@@ -16,6 +16,7 @@ impl Gcra {
     /// the state unchanged.
     ///
     /// Admit when `max(tat, now) + cost * interval - now <= limit * interval`.
+    #[inline]
     pub fn check(self, limit: u64, interval: u64, now: u64, cost: u64) -> (Self, Decision) {
         let capacity = limit.saturating_mul(interval);
         let tat = self.tat.max(now);

@@ -17,6 +17,7 @@ impl LeakyBucket {
     /// Checks a request of `cost` at `now` against a bucket of capacity `limit` draining one
     /// unit per `interval` ns. Admit when `level + cost <= capacity`; a rejection returns the
     /// state unchanged.
+    #[inline]
     pub fn check(self, limit: u64, interval: u64, now: u64, cost: u64) -> (Self, Decision) {
         let capacity = limit.saturating_mul(interval);
         let now = now.max(self.last);

@@ -21,6 +21,7 @@ pub struct SlidingWindow {
 impl SlidingWindow {
     /// Checks a request of `cost` at `now` against `limit` per sliding `window` (ns). Only
     /// admitted cost is counted; a rejection returns the state unchanged.
+    #[inline]
     pub fn check(self, limit: u64, window: u64, now: u64, cost: u64) -> (Self, Decision) {
         let w = u128::from(window);
         let k = (now / window).max(self.window);
@@ -78,6 +79,8 @@ impl SlidingWindow {
 
     /// The first instant at which a request of `cost` would be admitted, given the counts of
     /// the window that started at `start` and `elapsed` into it (which rejects it now).
+    #[cold]
+    #[inline(never)]
     fn admitted_at(
         limit: u64,
         window: u64,

@@ -26,6 +26,7 @@ impl TokenBucket {
     /// Checks a request of `cost` at `now` against a bucket of `limit` tokens refilled one
     /// token per `interval` ns. Admit when the refilled balance covers the whole cost; a
     /// rejection returns the state unchanged.
+    #[inline]
     pub fn check(self, limit: u64, interval: u64, now: u64, cost: u64) -> (Self, Decision) {
         let capacity = limit.saturating_mul(interval);
         let now = now.max(self.last);

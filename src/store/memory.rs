@@ -11,9 +11,9 @@ use parking_lot::{Mutex, MutexGuard};
 use smallvec::SmallVec;
 
 use super::{Check, NOTHING_TO_CHECK, Store, StoreError};
-use crate::algorithm::{State, Update};
+use crate::algorithm::{FixedWindow, Gcra, LeakyBucket, SlidingLog, SlidingWindow, TokenBucket};
 use crate::clock::{Clock, SystemClock};
-use crate::{Decision, Policy};
+use crate::{Algorithm, Decision, Policy};
 
 /// The default cap on tracked (key, policy) pairs.
 pub const DEFAULT_MAX_KEYS: usize = 1 << 20;
@@ -36,9 +36,13 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 512;
 ///   still full of live state, the sixteenth of it closest to recovery is forgotten, so a flood
 ///   of new keys cannot grow memory; those keys may then be admitted early, and
 ///   [`MemoryStore::evicted`] counts them. Size `max_keys` above your live key count.
-/// - **Cost per key.** A tracked pair takes one 64-byte slot in a hash table (plus a control
-///   byte and the table's spare capacity) and a heap copy of the key; a sliding log adds 16
-///   bytes per entry. BENCHMARKS.md has the measured figure.
+/// - **Cost per key.** A tracked pair takes one slot in its algorithm's hash table, plus a
+///   control byte and the table's spare capacity: 40 bytes for GCRA, 48 for the leaky bucket,
+///   56 for the token bucket and the fixed window, 64 for the sliding window counter and 80
+///   for the sliding log, whose entries take 16 bytes each on the heap. A key of up to 23
+///   bytes is stored in the slot; a longer one adds a heap copy. Measured with 100,000 keys:
+///   about 54 bytes per key for GCRA (60 resident), 85 for the sliding window counter
+///   (`cargo bench --bench memory_per_key`; BENCHMARKS.md has every figure).
 ///
 /// Clones share one state: cloning the store (or a layer holding it) never splits a limit.
 ///
@@ -79,43 +83,497 @@ struct Inner<C> {
 #[repr(align(128))]
 struct Padded(Mutex<Shard>);
 
+/// A shard keeps one hash table per algorithm, so that each slot is only as large as its own
+/// algorithm's state needs (a GCRA slot is 40 bytes, a sliding window counter's 64).
 #[derive(Default)]
 struct Shard {
-    table: HashTable<Slot>,
+    gcra: Table<Gcra>,
+    token_bucket: Table<Timed<TokenBucket>>,
+    leaky_bucket: Table<LeakyBucket>,
+    fixed_window: Table<Timed<FixedWindow>>,
+    sliding_window: Table<Timed<SlidingWindow>>,
+    sliding_log: Table<Timed<SlidingLog>>,
 }
 
-struct Slot {
+type Table<S> = HashTable<Slot<S>>;
+
+/// The state of one (key, policy) pair.
+struct Slot<S: Kept> {
     policy: u64,
-    /// When `state` will have fully recovered (`State::recovered_at`).
-    expires: u64,
-    key: Box<str>,
-    state: State,
+    key: Key,
+    state: S,
+    /// Takes no room; sets the slot's alignment.
+    _align: S::Align,
 }
 
-impl Slot {
+/// Aligns a 64-byte slot on a cache line, so that reading it costs one line, not two.
+#[derive(Clone, Copy, Default)]
+#[repr(align(64))]
+struct CacheLine;
+
+impl<S: Kept> Slot<S> {
+    #[inline]
     fn is(&self, policy: u64, key: &str) -> bool {
-        self.policy == policy && *self.key == *key
+        self.policy == policy && self.key.is(key.as_bytes())
+    }
+}
+
+/// Runs `$body` with `$kept` naming the type that the table of `$algorithm` keeps.
+macro_rules! with_kept {
+    ($algorithm:expr, $kept:ident => $body:expr) => {
+        match $algorithm {
+            Algorithm::Gcra => {
+                type $kept = Gcra;
+                $body
+            }
+            Algorithm::TokenBucket => {
+                type $kept = Timed<TokenBucket>;
+                $body
+            }
+            Algorithm::LeakyBucket => {
+                type $kept = LeakyBucket;
+                $body
+            }
+            Algorithm::FixedWindow => {
+                type $kept = Timed<FixedWindow>;
+                $body
+            }
+            Algorithm::SlidingWindow => {
+                type $kept = Timed<SlidingWindow>;
+                $body
+            }
+            Algorithm::SlidingLog => {
+                type $kept = Timed<SlidingLog>;
+                $body
+            }
+        }
+    };
+}
+
+/// What a table keeps for one algorithm: its state, and how to decide, commit and expire it.
+trait Kept: Sized {
+    /// `()`, or [`CacheLine`] for a slot of exactly 64 bytes.
+    type Align: Default;
+
+    /// The state of a key never seen under `policy`.
+    fn fresh(policy: &Policy) -> Self;
+
+    /// Decides a request without changing anything; [`Kept::apply`] commits what it returns.
+    fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update);
+
+    /// Writes what [`Kept::decide`] returned for an admitted request.
+    fn apply(&mut self, policy: &Policy, update: Update);
+
+    /// When the state will be indistinguishable from a fresh one: forgetting it from then on
+    /// changes no decision.
+    fn expires(&self) -> u64;
+
+    fn table(shard: &Shard) -> &Table<Self>;
+
+    fn table_mut(shard: &mut Shard) -> &mut Table<Self>;
+}
+
+/// What to write if a decision is committed.
+#[derive(Clone, Copy, Debug)]
+enum Update {
+    Gcra(Gcra),
+    TokenBucket(TokenBucket),
+    LeakyBucket(LeakyBucket),
+    FixedWindow(FixedWindow),
+    SlidingWindow(SlidingWindow),
+    SlidingLog { now: u64, cost: u64 },
+}
+
+// GCRA's state is its own expiry: the theoretical arrival time.
+impl Kept for Gcra {
+    type Align = ();
+
+    fn fresh(_: &Policy) -> Self {
+        Gcra::default()
     }
 
     #[inline]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
-        if self.state.fits(policy) {
-            self.state.decide(policy, now, cost)
-        } else {
-            // Only after a 64-bit collision of policy fingerprints: start afresh.
-            State::fresh(policy).decide(policy, now, cost)
+        let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
+        (d, Update::Gcra(next))
+    }
+
+    #[inline]
+    fn apply(&mut self, _: &Policy, update: Update) {
+        if let Update::Gcra(next) = update {
+            *self = next;
         }
     }
 
     #[inline]
-    fn apply(&mut self, policy: &Policy, update: Update) {
-        if !self.state.fits(policy) {
-            self.state = State::fresh(policy);
+    fn expires(&self) -> u64 {
+        self.recovered_at()
+    }
+
+    fn table(shard: &Shard) -> &Table<Self> {
+        &shard.gcra
+    }
+
+    fn table_mut(shard: &mut Shard) -> &mut Table<Self> {
+        &mut shard.gcra
+    }
+}
+
+// So is the leaky bucket's: the time its level drains to zero.
+impl Kept for LeakyBucket {
+    type Align = ();
+
+    fn fresh(_: &Policy) -> Self {
+        LeakyBucket::default()
+    }
+
+    #[inline]
+    fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
+        let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
+        (d, Update::LeakyBucket(next))
+    }
+
+    #[inline]
+    fn apply(&mut self, _: &Policy, update: Update) {
+        if let Update::LeakyBucket(next) = update {
+            *self = next;
         }
+    }
+
+    #[inline]
+    fn expires(&self) -> u64 {
+        self.recovered_at()
+    }
+
+    fn table(shard: &Shard) -> &Table<Self> {
+        &shard.leaky_bucket
+    }
+
+    fn table_mut(shard: &mut Shard) -> &mut Table<Self> {
+        &mut shard.leaky_bucket
+    }
+}
+
+/// A state whose expiry depends on the policy, kept beside it (computed on each commit).
+struct Timed<S> {
+    expires: u64,
+    state: S,
+}
+
+/// The pure algorithm behind a [`Timed`] state.
+trait Algo: Sized {
+    type Align: Default;
+    fn fresh(policy: &Policy) -> Self;
+    fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update);
+    fn apply(&mut self, policy: &Policy, update: Update);
+    fn recovered_at(&self, policy: &Policy) -> u64;
+    fn table(shard: &Shard) -> &Table<Timed<Self>>;
+    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>>;
+}
+
+impl<S: Algo> Kept for Timed<S> {
+    type Align = S::Align;
+
+    fn fresh(policy: &Policy) -> Self {
+        Timed {
+            expires: 0,
+            state: S::fresh(policy),
+        }
+    }
+
+    #[inline]
+    fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
+        self.state.decide(policy, now, cost)
+    }
+
+    #[inline]
+    fn apply(&mut self, policy: &Policy, update: Update) {
         self.state.apply(policy, update);
         self.expires = self.state.recovered_at(policy);
     }
+
+    #[inline]
+    fn expires(&self) -> u64 {
+        self.expires
+    }
+
+    fn table(shard: &Shard) -> &Table<Self> {
+        S::table(shard)
+    }
+
+    fn table_mut(shard: &mut Shard) -> &mut Table<Self> {
+        S::table_mut(shard)
+    }
 }
+
+impl Algo for TokenBucket {
+    type Align = ();
+
+    fn fresh(policy: &Policy) -> Self {
+        TokenBucket::full(policy.limit(), policy.period_nanos())
+    }
+
+    #[inline]
+    fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
+        let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
+        (d, Update::TokenBucket(next))
+    }
+
+    #[inline]
+    fn apply(&mut self, _: &Policy, update: Update) {
+        if let Update::TokenBucket(next) = update {
+            *self = next;
+        }
+    }
+
+    #[inline]
+    fn recovered_at(&self, policy: &Policy) -> u64 {
+        TokenBucket::recovered_at(self, policy.limit(), policy.period_nanos())
+    }
+
+    fn table(shard: &Shard) -> &Table<Timed<Self>> {
+        &shard.token_bucket
+    }
+
+    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>> {
+        &mut shard.token_bucket
+    }
+}
+
+impl Algo for FixedWindow {
+    type Align = ();
+
+    fn fresh(_: &Policy) -> Self {
+        FixedWindow::default()
+    }
+
+    #[inline]
+    fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
+        let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
+        (d, Update::FixedWindow(next))
+    }
+
+    #[inline]
+    fn apply(&mut self, _: &Policy, update: Update) {
+        if let Update::FixedWindow(next) = update {
+            *self = next;
+        }
+    }
+
+    #[inline]
+    fn recovered_at(&self, policy: &Policy) -> u64 {
+        FixedWindow::recovered_at(self, policy.period_nanos())
+    }
+
+    fn table(shard: &Shard) -> &Table<Timed<Self>> {
+        &shard.fixed_window
+    }
+
+    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>> {
+        &mut shard.fixed_window
+    }
+}
+
+impl Algo for SlidingWindow {
+    type Align = CacheLine;
+
+    fn fresh(_: &Policy) -> Self {
+        SlidingWindow::default()
+    }
+
+    #[inline]
+    fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
+        let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
+        (d, Update::SlidingWindow(next))
+    }
+
+    #[inline]
+    fn apply(&mut self, _: &Policy, update: Update) {
+        if let Update::SlidingWindow(next) = update {
+            *self = next;
+        }
+    }
+
+    #[inline]
+    fn recovered_at(&self, policy: &Policy) -> u64 {
+        SlidingWindow::recovered_at(self, policy.period_nanos())
+    }
+
+    fn table(shard: &Shard) -> &Table<Timed<Self>> {
+        &shard.sliding_window
+    }
+
+    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>> {
+        &mut shard.sliding_window
+    }
+}
+
+impl Algo for SlidingLog {
+    type Align = ();
+
+    fn fresh(_: &Policy) -> Self {
+        SlidingLog::default()
+    }
+
+    #[inline]
+    fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
+        let d = self.check(policy.limit(), policy.period_nanos(), now, cost);
+        (d, Update::SlidingLog { now, cost })
+    }
+
+    #[inline]
+    fn apply(&mut self, policy: &Policy, update: Update) {
+        if let Update::SlidingLog { now, cost } = update {
+            self.record(policy.period_nanos(), now, cost);
+        }
+    }
+
+    #[inline]
+    fn recovered_at(&self, policy: &Policy) -> u64 {
+        SlidingLog::recovered_at(self, policy.period_nanos())
+    }
+
+    fn table(shard: &Shard) -> &Table<Timed<Self>> {
+        &shard.sliding_log
+    }
+
+    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>> {
+        &mut shard.sliding_log
+    }
+}
+
+impl Shard {
+    fn len(&self) -> usize {
+        self.gcra.len()
+            + self.token_bucket.len()
+            + self.leaky_bucket.len()
+            + self.fixed_window.len()
+            + self.sliding_window.len()
+            + self.sliding_log.len()
+    }
+
+    /// Keeps the slots for which `keep(expiry)` is true.
+    fn retain(&mut self, mut keep: impl FnMut(u64) -> bool) {
+        fn retain_in<S: Kept>(table: &mut Table<S>, keep: &mut impl FnMut(u64) -> bool) {
+            table.retain(|slot| keep(slot.state.expires()));
+        }
+        retain_in(&mut self.gcra, &mut keep);
+        retain_in(&mut self.token_bucket, &mut keep);
+        retain_in(&mut self.leaky_bucket, &mut keep);
+        retain_in(&mut self.fixed_window, &mut keep);
+        retain_in(&mut self.sliding_window, &mut keep);
+        retain_in(&mut self.sliding_log, &mut keep);
+    }
+
+    /// The expiry of every slot.
+    fn expiries(&self) -> Vec<u64> {
+        fn of<S: Kept>(table: &Table<S>) -> impl Iterator<Item = u64> + '_ {
+            table.iter().map(|slot| slot.state.expires())
+        }
+        of(&self.gcra)
+            .chain(of(&self.token_bucket))
+            .chain(of(&self.leaky_bucket))
+            .chain(of(&self.fixed_window))
+            .chain(of(&self.sliding_window))
+            .chain(of(&self.sliding_log))
+            .collect()
+    }
+
+    /// Gives the tables' spare capacity back to the allocator.
+    fn shrink_to_fit(&mut self, hash: impl Fn(u64, &[u8]) -> u64) {
+        fn shrink<S: Kept>(table: &mut Table<S>, hash: &impl Fn(u64, &[u8]) -> u64) {
+            table.shrink_to_fit(|slot| hash(slot.policy, slot.key.as_bytes()));
+        }
+        shrink(&mut self.gcra, &hash);
+        shrink(&mut self.token_bucket, &hash);
+        shrink(&mut self.leaky_bucket, &hash);
+        shrink(&mut self.fixed_window, &hash);
+        shrink(&mut self.sliding_window, &hash);
+        shrink(&mut self.sliding_log, &hash);
+    }
+}
+
+/// The longest key kept inside its slot; a longer one goes to the heap.
+const INLINE_KEY: usize = 23;
+
+/// A key as a slot keeps it: up to 23 bytes in the slot itself (no allocation and no pointer to
+/// follow when comparing), a longer one in a heap copy. 24 bytes either way: the length of an
+/// inline key is a [`KeyLen`], whose unused values tell the heap case apart.
+enum Key {
+    Inline {
+        len: KeyLen,
+        bytes: [u8; INLINE_KEY],
+    },
+    Heap(Box<str>),
+}
+
+impl Key {
+    fn new(key: &str) -> Self {
+        let mut bytes = [0; INLINE_KEY];
+        match (KeyLen::of(key.len()), bytes.get_mut(..key.len())) {
+            (Some(len), Some(prefix)) => {
+                prefix.copy_from_slice(key.as_bytes());
+                Key::Inline { len, bytes }
+            }
+            _ => Key::Heap(key.into()),
+        }
+    }
+
+    /// Whether this is `key`; an inline key is compared in place, without a call to `memcmp`.
+    #[inline]
+    fn is(&self, key: &[u8]) -> bool {
+        match self {
+            Key::Inline { len, bytes } => {
+                *len as usize == key.len() && bytes.iter().zip(key).all(|(a, b)| a == b)
+            }
+            Key::Heap(own) => own.as_bytes() == key,
+        }
+    }
+
+    #[inline]
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Key::Inline { len, bytes } => bytes.get(..*len as usize).unwrap_or_default(),
+            Key::Heap(key) => key.as_bytes(),
+        }
+    }
+}
+
+/// The length of an inline key, 0 to 23.
+#[derive(Clone, Copy)]
+#[repr(u8)]
+#[rustfmt::skip]
+enum KeyLen {
+    L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11,
+    L12, L13, L14, L15, L16, L17, L18, L19, L20, L21, L22, L23,
+}
+
+impl KeyLen {
+    #[rustfmt::skip]
+    const ALL: [KeyLen; INLINE_KEY + 1] = {
+        use KeyLen::*;
+        [
+            L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11,
+            L12, L13, L14, L15, L16, L17, L18, L19, L20, L21, L22, L23,
+        ]
+    };
+
+    fn of(len: usize) -> Option<Self> {
+        Self::ALL.get(len).copied()
+    }
+}
+
+// The sizes the documentation promises.
+const _: () = {
+    assert!(size_of::<Key>() == 24);
+    assert!(size_of::<Slot<Gcra>>() == 40);
+    assert!(size_of::<Slot<LeakyBucket>>() == 48);
+    assert!(size_of::<Slot<Timed<TokenBucket>>>() == 56);
+    assert!(size_of::<Slot<Timed<FixedWindow>>>() == 56);
+    assert!(size_of::<Slot<Timed<SlidingWindow>>>() == 64);
+    assert!(align_of::<Slot<Timed<SlidingWindow>>>() == 64);
+    assert!(size_of::<Slot<Timed<SlidingLog>>>() == 80);
+};
 
 impl MemoryStore<SystemClock> {
     /// A store on the monotonic system clock, with the default limits.
@@ -167,29 +625,7 @@ impl<C: Clock> MemoryStore<C> {
     pub fn check_now(&self, key: &str, policy: &Policy, cost: u64) -> Result<Decision, StoreError> {
         let inner = &*self.inner;
         Check::new(key, policy, cost).validate(0, inner.max_key_len)?;
-        let now = inner.clock.now();
-        let hash = inner.hash(policy.id(), key);
-        let mut shard = inner.shard(hash);
-        if let Some(slot) = shard.table.find_mut(hash, |s| s.is(policy.id(), key)) {
-            let (decision, update) = slot.decide(policy, now, cost);
-            if decision.allowed() && cost > 0 {
-                slot.apply(policy, update);
-            }
-            return Ok(decision);
-        }
-        let mut state = State::fresh(policy);
-        let (decision, update) = state.decide(policy, now, cost);
-        if decision.allowed() && cost > 0 {
-            state.apply(policy, update);
-            let slot = Slot {
-                policy: policy.id(),
-                expires: state.recovered_at(policy),
-                key: key.into(),
-                state,
-            };
-            inner.insert(&mut shard, hash, slot, now);
-        }
-        Ok(decision)
+        Ok(with_kept!(policy.algorithm(), K => inner.check_one::<K>(key, policy, cost)))
     }
 
     /// [`MemoryStore::check_all`], without the future.
@@ -221,7 +657,7 @@ impl<C: Clock> MemoryStore<C> {
                         })?;
                 }
                 None => items.push(Item {
-                    hash: inner.hash(id, check.key()),
+                    hash: inner.hash(id, check.key().as_bytes()),
                     key: check.key(),
                     policy: check.policy(),
                     cost: check.cost(),
@@ -245,13 +681,8 @@ impl<C: Clock> MemoryStore<C> {
         let mut verdict: Option<Decision> = None;
         for item in &mut items {
             let shard = guard_for(&mut guards, inner.shard_index(item.hash));
-            let (decision, update) = match shard
-                .table
-                .find(item.hash, |s| s.is(item.policy.id(), item.key))
-            {
-                Some(slot) => slot.decide(item.policy, now, item.cost),
-                None => State::fresh(item.policy).decide(item.policy, now, item.cost),
-            };
+            let (decision, update) =
+                with_kept!(item.policy.algorithm(), K => decide_in::<K>(shard, item, now));
             item.update = Some(update);
             let decision = decision.with_index(item.index);
             verdict = Some(verdict.map_or(decision, |v| v.most_restrictive(decision)));
@@ -266,34 +697,14 @@ impl<C: Clock> MemoryStore<C> {
                 continue;
             }
             let shard = guard_for(&mut guards, inner.shard_index(item.hash));
-            match shard
-                .table
-                .find_mut(item.hash, |s| s.is(item.policy.id(), item.key))
-            {
-                Some(slot) => slot.apply(item.policy, update),
-                None => {
-                    let mut state = State::fresh(item.policy);
-                    state.apply(item.policy, update);
-                    let slot = Slot {
-                        policy: item.policy.id(),
-                        expires: state.recovered_at(item.policy),
-                        key: item.key.into(),
-                        state,
-                    };
-                    inner.insert(shard, item.hash, slot, now);
-                }
-            }
+            with_kept!(item.policy.algorithm(), K => inner.commit::<K>(shard, item, update, now));
         }
         Ok(verdict)
     }
 
     /// The number of (key, policy) pairs tracked, recovered or not.
     pub fn len(&self) -> usize {
-        self.inner
-            .shards
-            .iter()
-            .map(|s| s.0.lock().table.len())
-            .sum()
+        self.inner.shards.iter().map(|s| s.0.lock().len()).sum()
     }
 
     /// Whether no pair is tracked.
@@ -311,12 +722,10 @@ impl<C: Clock> MemoryStore<C> {
             .iter()
             .map(|s| {
                 let mut shard = s.0.lock();
-                let before = shard.table.len();
-                shard.table.retain(|slot| slot.expires > now);
-                shard
-                    .table
-                    .shrink_to_fit(|slot| self.inner.hash(slot.policy, &slot.key));
-                before - shard.table.len()
+                let before = shard.len();
+                shard.retain(|expires| expires > now);
+                shard.shrink_to_fit(|policy, key| self.inner.hash(policy, key));
+                before - shard.len()
             })
             .sum()
     }
@@ -351,9 +760,42 @@ fn guard_for<'g, 's>(
     &mut guards[pos].1
 }
 
+/// Decides one item of a stacked check, changing nothing.
+fn decide_in<K: Kept>(shard: &Shard, item: &Item<'_>, now: u64) -> (Decision, Update) {
+    let (policy, cost) = (item.policy, item.cost);
+    match K::table(shard).find(item.hash, |s| s.is(policy.id(), item.key)) {
+        Some(slot) => slot.state.decide(policy, now, cost),
+        None => K::fresh(policy).decide(policy, now, cost),
+    }
+}
+
+impl<C: Clock> Inner<C> {
+    /// One check: find the slot, decide, commit if admitted (a zero cost writes nothing).
+    #[inline]
+    fn check_one<K: Kept>(&self, key: &str, policy: &Policy, cost: u64) -> Decision {
+        let now = self.clock.now();
+        let hash = self.hash(policy.id(), key.as_bytes());
+        let mut shard = self.shard(hash);
+        if let Some(slot) = K::table_mut(&mut shard).find_mut(hash, |s| s.is(policy.id(), key)) {
+            let (decision, update) = slot.state.decide(policy, now, cost);
+            if decision.allowed() && cost > 0 {
+                slot.state.apply(policy, update);
+            }
+            return decision;
+        }
+        let mut state = K::fresh(policy);
+        let (decision, update) = state.decide(policy, now, cost);
+        if decision.allowed() && cost > 0 {
+            state.apply(policy, update);
+            self.insert(&mut shard, hash, policy, key, state, now);
+        }
+        decision
+    }
+}
+
 impl<C> Inner<C> {
     #[inline]
-    fn hash(&self, policy: u64, key: &str) -> u64 {
+    fn hash(&self, policy: u64, key: &[u8]) -> u64 {
         self.hasher.hash_one((policy, key))
     }
 
@@ -368,36 +810,62 @@ impl<C> Inner<C> {
         self.shards[self.shard_index(hash)].0.lock()
     }
 
-    fn insert(&self, shard: &mut Shard, hash: u64, slot: Slot, now: u64) {
-        if shard.table.len() >= self.shard_cap {
+    /// Commits an admitted item of a stacked check.
+    fn commit<K: Kept>(&self, shard: &mut Shard, item: &Item<'_>, update: Update, now: u64) {
+        let (policy, key) = (item.policy, item.key);
+        match K::table_mut(shard).find_mut(item.hash, |s| s.is(policy.id(), key)) {
+            Some(slot) => slot.state.apply(policy, update),
+            None => {
+                let mut state = K::fresh(policy);
+                state.apply(policy, update);
+                self.insert(shard, item.hash, policy, key, state, now);
+            }
+        }
+    }
+
+    /// Tracks a new (key, policy) pair, making room first if the shard is full.
+    fn insert<K: Kept>(
+        &self,
+        shard: &mut Shard,
+        hash: u64,
+        policy: &Policy,
+        key: &str,
+        state: K,
+        now: u64,
+    ) {
+        if shard.len() >= self.shard_cap {
             let evicted = make_room(shard, self.shard_cap, now);
             if evicted > 0 {
                 self.evicted.fetch_add(evicted, Ordering::Relaxed);
             }
         }
-        shard
-            .table
-            .insert_unique(hash, slot, |s| self.hash(s.policy, &s.key));
+        let slot = Slot {
+            policy: policy.id(),
+            key: Key::new(key),
+            state,
+            _align: K::Align::default(),
+        };
+        K::table_mut(shard).insert_unique(hash, slot, |s| self.hash(s.policy, s.key.as_bytes()));
     }
 }
 
 /// Drops every recovered slot; if the shard is still full, forgets the sixteenth of it closest
 /// to recovery. Returns how many live slots were forgotten.
 fn make_room(shard: &mut Shard, cap: usize, now: u64) -> u64 {
-    shard.table.retain(|slot| slot.expires > now);
-    let len = shard.table.len();
+    shard.retain(|expires| expires > now);
+    let len = shard.len();
     if len < cap {
         return 0;
     }
     let quota = (cap / 16).clamp(1, len);
-    let mut expiries: Vec<u64> = shard.table.iter().map(|s| s.expires).collect();
+    let mut expiries = shard.expiries();
     let (_, &mut threshold, _) = expiries.select_nth_unstable(quota - 1);
     let below = expiries.iter().filter(|&&e| e < threshold).count();
     let mut ties = quota - below;
-    shard.table.retain(|slot| {
-        if slot.expires < threshold {
+    shard.retain(|expires| {
+        if expires < threshold {
             false
-        } else if slot.expires == threshold && ties > 0 {
+        } else if expires == threshold && ties > 0 {
             ties -= 1;
             false
         } else {
@@ -502,5 +970,68 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         MemoryStore {
             inner: Arc::new(inner),
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    #[test]
+    fn keys_short_and_long_keep_their_bytes() {
+        for len in [0, 1, 22, 23, 24, 25, 512] {
+            let text: String = "é0123456789".chars().cycle().take(len).collect();
+            let key = Key::new(&text);
+            assert_eq!(key.as_bytes(), text.as_bytes(), "length {len}");
+            assert_eq!(matches!(key, Key::Inline { .. }), text.len() <= INLINE_KEY);
+        }
+    }
+
+    #[test]
+    fn keys_that_differ_only_past_the_inline_part_count_separately() {
+        let store = MemoryStore::with_clock(ManualClock::new());
+        let policy = Policy::fixed_window(1, std::time::Duration::from_secs(1)).unwrap();
+        let base = "k".repeat(INLINE_KEY);
+        let keys = [
+            base[..INLINE_KEY - 1].to_owned(),
+            base.clone(),
+            format!("{base}a"),
+            format!("{base}b"),
+        ];
+        for key in &keys {
+            assert!(store.check_now(key, &policy, 1).unwrap().allowed(), "{key}");
+        }
+        for key in &keys {
+            assert!(
+                !store.check_now(key, &policy, 1).unwrap().allowed(),
+                "{key}"
+            );
+        }
+        assert_eq!(store.len(), keys.len());
+    }
+
+    #[test]
+    fn every_algorithm_keeps_its_own_table() {
+        let store = MemoryStore::with_clock(ManualClock::new());
+        let w = std::time::Duration::from_secs(1);
+        let rate = crate::Rate::per_second(1);
+        let policies = [
+            Policy::gcra(rate, 1).unwrap(),
+            Policy::token_bucket(rate, 1).unwrap(),
+            Policy::leaky_bucket(rate, 1).unwrap(),
+            Policy::fixed_window(1, w).unwrap(),
+            Policy::sliding_window(1, w).unwrap(),
+            Policy::sliding_log(1, w).unwrap(),
+        ];
+        for p in &policies {
+            assert!(store.check_now("k", p, 1).unwrap().allowed(), "{p:?}");
+            assert!(!store.check_now("k", p, 1).unwrap().allowed(), "{p:?}");
+        }
+        assert_eq!(store.len(), policies.len());
+        store.clock().advance(std::time::Duration::from_secs(3));
+        assert_eq!(store.sweep(), policies.len());
+        assert!(store.is_empty());
     }
 }
