@@ -4,7 +4,9 @@
 //! settings (limit 10 per 1-second window; capacity 10 and 10 per second for the buckets), on the
 //! in-process store with a manual clock, so the run is exact and takes no time. It prints who was
 //! admitted, and the largest number admitted in any 1-second interval, next to the figures of the
-//! reference experiment, and draws a timeline of every decision as an SVG chart.
+//! reference experiment, and draws a timeline of every decision as an SVG chart. Then it starts a
+//! real axum server with tollgate's layer on a loopback port, sends it a burst, and prints what
+//! came back (`examples/server_burst.rs`).
 
 use std::collections::VecDeque;
 use std::error::Error;
@@ -14,6 +16,11 @@ use std::time::Duration;
 
 use tollgate::clock::ManualClock;
 use tollgate::{MemoryStore, Policy, Rate};
+
+// The HTTP half of the demo; its own `main` runs it alone.
+#[allow(dead_code)]
+#[path = "server_burst.rs"]
+mod server_burst;
 
 /// The limit of every policy: 10 per window, or a capacity of 10 for a bucket.
 const LIMIT: u64 = 10;
@@ -362,5 +369,11 @@ fn main() -> Result<(), Box<dyn Error>> {
     }
     std::fs::write(&path, svg_chart(&runs, &trace))?;
     println!("\nTimeline chart written to {}", path.display());
-    Ok(())
+
+    // The same idea over HTTP: a real axum server with the layer, and a burst of requests.
+    println!("\n---\n");
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(server_burst::run())
 }

@@ -19,10 +19,10 @@ use tollgate::limiter::Rule;
 use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
 
 /// The number of requests in the burst.
-pub const BURST: usize = 12;
+pub(crate) const BURST: usize = 12;
 
 /// Starts the server, sends the burst, prints what came back, and stops the server.
-pub async fn run() -> Result<(), Box<dyn std::error::Error>> {
+pub(crate) async fn run() -> Result<(), Box<dyn std::error::Error>> {
     // The client's address, as axum's ConnectInfo has it (with feature `axum`,
     // `tollgate::key::PeerIp::new()` reads it the same way).
     let peer = |parts: &Parts| {
