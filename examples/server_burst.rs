@@ -4,6 +4,10 @@
 //! client sends a burst of 12 requests, and every answer is printed (status, `RateLimit`,
 //! `RateLimit-Policy`, `Retry-After`). The limits: 5 per second with bursts of 5, and 8 per
 //! minute, per client address. Then the server stops and the program exits.
+//!
+//! `run` is public so that another example can include this file as a module
+//! (`#[path = "server_burst.rs"] mod server_burst;`) and call it.
+#![allow(unreachable_pub)]
 
 use std::net::SocketAddr;
 
