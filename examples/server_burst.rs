@@ -5,9 +5,7 @@
 //! `RateLimit-Policy`, `Retry-After`). The limits: 5 per second with bursts of 5, and 8 per
 //! minute, per client address. Then the server stops and the program exits.
 //!
-//! `run` is public so that another example can include this file as a module
-//! (`#[path = "server_burst.rs"] mod server_burst;`) and call it.
-#![allow(unreachable_pub)]
+//! The main demo (`examples/burst.rs`) includes this file as a module and calls `run`.
 
 use std::net::SocketAddr;
 
