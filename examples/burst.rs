@@ -194,9 +194,13 @@ fn run_all(trace: &[u64]) -> Result<Vec<Run>, Box<dyn Error>> {
 
 fn print_table(runs: &[Run], trace: &[u64]) {
     println!(
-        "{} requests; limit {LIMIT} per {} s (buckets: capacity {LIMIT}, {LIMIT} per second)\n",
+        "{} requests; limit {LIMIT} per {} s (buckets: capacity {LIMIT}, {LIMIT} per second)",
         trace.len(),
         WINDOW.as_secs()
+    );
+    println!(
+        "trace: 10 requests 100 ms apart (50..950 ms), a burst of 20 5 ms apart right after \
+         the 1 s boundary\n(1000..1095 ms), then 50 requests 20 ms apart (1100..2080 ms)\n"
     );
     println!(
         "{:<24} {:>8} {:>8} {:>12} {:>10}",
@@ -376,4 +380,56 @@ fn main() -> Result<(), Box<dyn Error>> {
         .enable_all()
         .build()?
         .block_on(server_burst::run())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_figures_are_the_reference_experiments() -> Result<(), Box<dyn Error>> {
+        let trace = trace();
+        assert_eq!(trace.len(), 80);
+        let runs = run_all(&trace)?;
+        let figures: Vec<(&str, usize, usize)> = runs
+            .iter()
+            .map(|r| {
+                let (max, _) = max_in_any_interval(&r.delivered(&trace), SECOND);
+                (r.name, r.admitted_count(), max)
+            })
+            .collect();
+        assert_eq!(
+            figures,
+            [
+                ("fixed window", 25, 20),
+                ("sliding log", 21, 10),
+                ("sliding window counter", 21, 11),
+                ("token bucket", 30, 19),
+                ("leaky bucket (meter)", 30, 19),
+                ("GCRA", 30, 19),
+                ("leaky bucket (queue)", 30, 10),
+            ]
+        );
+        // The three bucket algorithms admit exactly the same requests.
+        assert_eq!(runs[3].admitted, runs[4].admitted);
+        assert_eq!(runs[3].admitted, runs[5].admitted);
+        Ok(())
+    }
+
+    #[test]
+    fn the_busiest_interval_is_half_open() {
+        assert_eq!(max_in_any_interval(&[], SECOND), (0, 0));
+        // 0 and 1 s are never in one [t, t + 1 s); 1 s and 1.5 s are.
+        let times = [0, SECOND, SECOND + SECOND / 2, 2 * SECOND + 400 * MS];
+        assert_eq!(max_in_any_interval(&times, SECOND), (2, SECOND));
+    }
+
+    #[test]
+    fn the_queue_releases_one_per_interval_and_drops_when_full() {
+        let at = |ms: u64| ms * MS;
+        // Three at once into a queue of two: the third is dropped; the first leaves one
+        // interval after arriving, the second one interval later.
+        let out = run_queue(&[at(0), at(0), at(0), at(250)], 2, at(100));
+        assert_eq!(out, [Some(at(100)), Some(at(200)), None, Some(at(350))]);
+    }
 }

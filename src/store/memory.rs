@@ -41,7 +41,7 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 512;
 ///   56 for the token bucket and the fixed window, 64 for the sliding window counter and 80
 ///   for the sliding log, whose entries take 16 bytes each on the heap. A key of up to 23
 ///   bytes is stored in the slot; a longer one adds a heap copy. Measured with 100,000 keys:
-///   about 54 bytes per key for GCRA (60 resident), 85 for the sliding window counter
+///   about 54 bytes per key for GCRA (under 60 resident), 85 for the sliding window counter
 ///   (`cargo bench --bench memory_per_key`; BENCHMARKS.md has every figure).
 ///
 /// Clones share one state: cloning the store (or a layer holding it) never splits a limit.
