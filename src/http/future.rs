@@ -453,6 +453,16 @@ impl<St: Store> Shared<St> {
         if let [one] = applied {
             return Some(self.limiter.set(one.rule, one.set).field_value.clone());
         }
+        if let Some(all) = &self.all_policies {
+            let every_rule_first_set = applied.len() == self.limiter.rules.len()
+                && applied
+                    .iter()
+                    .enumerate()
+                    .all(|(i, a)| usize::from(a.rule) == i && a.set == 0);
+            if every_rule_first_set {
+                return Some(all.clone());
+            }
+        }
         let mut joined = String::new();
         for a in applied {
             if !joined.is_empty() {
