@@ -158,7 +158,7 @@ where
 {
     /// What `RateLimit::call` does: plans the request, asks the store, and with an
     /// in-process store decides and calls the inner service right here.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn call(shared: &Arc<Shared<St>>, inner: &mut S, request: Request<B>) -> Self {
         let (parts, body) = request.into_parts();
         let start = shared.limiter.start(&parts);
@@ -167,7 +167,7 @@ where
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn started(
         shared: &Arc<Shared<St>>,
         start: Start<St::Future>,
@@ -215,7 +215,7 @@ where
     }
 
     /// The enforced rules' decision is known.
-    #[inline]
+    #[inline(always)]
     fn decided(
         shared: &Arc<Shared<St>>,
         result: Result<Decision, StoreError>,
@@ -239,7 +239,7 @@ where
     }
 
     /// Admitted by the enforced rules: the shadow rules, then the inner service.
-    #[inline]
+    #[inline(always)]
     fn admitted(
         shared: &Arc<Shared<St>>,
         decision: Option<Decision>,
@@ -275,7 +275,7 @@ where
         Self::call_inner(shared, decision, &applied, parts, body, inner, rejection)
     }
 
-    #[inline]
+    #[inline(always)]
     fn call_inner(
         shared: &Shared<St>,
         decision: Option<Decision>,
@@ -452,6 +452,16 @@ impl<St: Store> Shared<St> {
     fn policy_field(&self, applied: &[Applied]) -> Option<HeaderValue> {
         if let [one] = applied {
             return Some(self.limiter.set(one.rule, one.set).field_value.clone());
+        }
+        if let Some(all) = &self.all_policies {
+            let every_rule_first_set = applied.len() == self.limiter.rules.len()
+                && applied
+                    .iter()
+                    .enumerate()
+                    .all(|(i, a)| usize::from(a.rule) == i && a.set == 0);
+            if every_rule_first_set {
+                return Some(all.clone());
+            }
         }
         let mut joined = String::new();
         for a in applied {

@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::HeaderValue;
 use tower_layer::Layer;
 
 use super::response::{DefaultResponder, HeaderProfile, ResetFormat, Responder};
@@ -32,6 +33,9 @@ pub(crate) struct Shared<St> {
     pub(crate) responder: Box<dyn Responder>,
     pub(crate) unavailable_retry_after: Duration,
     pub(crate) decision_extension: bool,
+    /// `RateLimit-Policy` when every rule applied with its first policy set (the usual case
+    /// of stacked rules without route filters or tiers), joined once at build time.
+    pub(crate) all_policies: Option<HeaderValue>,
 }
 
 impl<St: Store> RateLimitLayer<St> {
@@ -51,12 +55,13 @@ impl<St: Store> RateLimitLayer<St> {
     pub fn new(limiter: Limiter<St>) -> Self {
         Self {
             shared: Arc::new(Shared {
-                limiter,
                 profile: HeaderProfile::default(),
                 reset: ResetFormat::default(),
                 responder: Box::new(DefaultResponder),
                 unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
                 decision_extension: true,
+                all_policies: all_policies(&limiter),
+                limiter,
             }),
         }
     }
@@ -152,9 +157,11 @@ impl<St: Store> RateLimitLayerBuilder<St> {
 
     /// Validates the rules and builds the layer.
     pub fn build(self) -> Result<RateLimitLayer<St>, LimiterError> {
+        let limiter = self.limiter.build()?;
         Ok(RateLimitLayer {
             shared: Arc::new(Shared {
-                limiter: self.limiter.build()?,
+                all_policies: all_policies(&limiter),
+                limiter,
                 profile: self.profile,
                 reset: self.reset,
                 responder: self.responder,
@@ -171,5 +178,64 @@ impl<St> fmt::Debug for RateLimitLayerBuilder<St> {
             .field("limiter", &self.limiter)
             .field("profile", &self.profile)
             .finish_non_exhaustive()
+    }
+}
+
+/// The `RateLimit-Policy` value of all rules with their first policy sets, when there are
+/// several (one rule's value is cached with its set already).
+fn all_policies<St>(limiter: &Limiter<St>) -> Option<HeaderValue> {
+    if limiter.rules.len() < 2 {
+        return None;
+    }
+    let mut joined = String::new();
+    for rule in limiter.rules.iter() {
+        if !joined.is_empty() {
+            joined.push_str(", ");
+        }
+        joined.push_str(&rule.sets.first()?.field);
+    }
+    HeaderValue::from_str(&joined).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use http::{Request, Response};
+    use tower::{ServiceBuilder, ServiceExt};
+
+    use super::*;
+    use crate::key::Global;
+    use crate::{MemoryStore, Policy, Rate};
+
+    /// The joined `RateLimit-Policy` of all rules is used only when every rule applied.
+    #[tokio::test]
+    async fn policy_field_of_the_rules_that_applied() {
+        let policy = |n| Policy::gcra(Rate::per_second(n), n).unwrap();
+        let layer = RateLimitLayer::builder(MemoryStore::new())
+            .rule(Rule::new("all").key(Global).policy(policy(5)))
+            .rule(
+                Rule::new("api")
+                    .path_prefix("/api")
+                    .key(Global)
+                    .policy(policy(4)),
+            )
+            .build()
+            .unwrap();
+        let service = ServiceBuilder::new()
+            .layer(layer)
+            .service_fn(|_: Request<String>| async {
+                Ok::<_, Infallible>(Response::new(String::new()))
+            });
+        let field = |path: &'static str| {
+            let service = service.clone();
+            async move {
+                let request = Request::get(path).body(String::new()).unwrap();
+                let response = service.oneshot(request).await.unwrap();
+                response.headers()["ratelimit-policy"].clone()
+            }
+        };
+        assert_eq!(field("/api/x").await, r#""all";q=5;w=1, "api";q=4;w=1"#);
+        assert_eq!(field("/other").await, r#""all";q=5;w=1"#);
     }
 }

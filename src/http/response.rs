@@ -132,27 +132,21 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// `RateLimit: "name";r=R;t=T` from its start `"name";r=`, written on the stack: the value's
-/// own buffer is the only allocation.
+/// `RateLimit: "name";r=R;t=T` from its start `"name";r=`: the digits are formatted on the
+/// stack and the text written once into the value's own buffer (its only allocation), which
+/// the value then takes over without a copy.
 #[inline]
 fn status_value(item: &str, r: u64, t: u64) -> Option<HeaderValue> {
-    let item = item.as_bytes();
-    let mut digits = itoa::Buffer::new();
-    let r = digits.format(r).as_bytes();
+    let mut r_digits = itoa::Buffer::new();
+    let r = r_digits.format(r).as_bytes();
     let mut t_digits = itoa::Buffer::new();
     let t = t_digits.format(t).as_bytes();
-    let len = item.len() + r.len() + 3 + t.len();
-    let mut text = [0u8; 160];
-    // Names are at most 64 characters: this always fits.
-    let out = text.get_mut(..len)?;
-    let (head, rest) = out.split_at_mut(item.len());
-    head.copy_from_slice(item);
-    let (r_out, rest) = rest.split_at_mut(r.len());
-    r_out.copy_from_slice(r);
-    let (sep, t_out) = rest.split_at_mut(3);
-    sep.copy_from_slice(b";t=");
-    t_out.copy_from_slice(t);
-    HeaderValue::from_bytes(out).ok()
+    let mut text = Vec::with_capacity(item.len() + r.len() + 3 + t.len());
+    text.extend_from_slice(item.as_bytes());
+    text.extend_from_slice(r);
+    text.extend_from_slice(b";t=");
+    text.extend_from_slice(t);
+    HeaderValue::from_maybe_shared(Bytes::from(text)).ok()
 }
 
 /// `t`: seconds until full recovery when admitted, until the retry when refused.
