@@ -1,5 +1,14 @@
 //! tollgate protects a service from too much traffic: rate limits and quotas with every
-//! classic algorithm, exact to the last request, on an in-process store.
+//! classic algorithm, exact to the last request, as tower middleware ([`RateLimitLayer`]) for
+//! axum, tonic and any tower HTTP service, on an in-process store ([`MemoryStore`]) or on Redis
+//! (`RedisStore`, feature `redis`) with the same decisions.
+//!
+//! - [`Policy`]: what a limit is (six algorithms, weighted costs); [`Decision`]: the answer,
+//!   with an exact `retry_after`.
+//! - [`store`]: the [`Store`] trait, the stores, and [`store::ResilientStore`] (timeouts, circuit
+//!   breaker, fail open / closed / local fallback).
+//! - [`key`], [`limiter`], [`http`]: keys from requests, rules and tiers, and the layer.
+//! - [`algorithm`]: the pure state machines; [`clock`]: time.
 //!
 //! ```
 //! use std::time::Duration;
