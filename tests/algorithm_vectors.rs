@@ -16,18 +16,7 @@ fn vectors_hold_for_the_rust_algorithms() {
         for (i, s) in v.steps.iter().enumerate() {
             clock.set(Duration::from_nanos(support::vectors::T0 + s.at));
             let d = store.check_now("k", &v.policy, s.cost).unwrap();
-            let got = (
-                d.allowed(),
-                d.remaining(),
-                d.reset_after().as_nanos() as u64,
-                d.retry_after().map_or(0, |r| r.as_nanos() as u64),
-            );
-            assert_eq!(
-                got,
-                (s.allowed, s.remaining, s.reset, s.retry),
-                "{} step {i}",
-                v.name
-            );
+            support::vectors::assert_step(&v, i, &d);
         }
     }
 }

@@ -44,18 +44,7 @@ async fn vectors_hold_for_the_lua_scripts() {
         for (i, s) in v.steps.iter().enumerate() {
             clock.set(Duration::from_nanos(T0 + s.at));
             let d = store.check(v.name, &v.policy, s.cost).await.unwrap();
-            let got = (
-                d.allowed(),
-                d.remaining(),
-                d.reset_after().as_nanos() as u64,
-                d.retry_after().map_or(0, |r| r.as_nanos() as u64),
-            );
-            assert_eq!(
-                got,
-                (s.allowed, s.remaining, s.reset, s.retry),
-                "{} step {i}",
-                v.name
-            );
+            vectors::assert_step(&v, i, &d);
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use tollgate::{Policy, Rate};
+use tollgate::{Decision, Policy, Rate};
 
 /// 2026-01-01T00:00:00Z in nanoseconds since the Unix epoch: a multiple of every window here.
 pub const T0: u64 = 1_767_225_600_000_000_000;
@@ -131,4 +131,21 @@ pub fn all() -> Vec<Vector> {
             ],
         },
     ]
+}
+
+/// Asserts that `d`, the decision for step `i` of `v`, is the one the table gives.
+pub fn assert_step(v: &Vector, i: usize, d: &Decision) {
+    let s = &v.steps[i];
+    let got = (
+        d.allowed(),
+        d.remaining(),
+        d.reset_after().as_nanos() as u64,
+        d.retry_after().map_or(0, |r| r.as_nanos() as u64),
+    );
+    assert_eq!(
+        got,
+        (s.allowed, s.remaining, s.reset, s.retry),
+        "{} step {i}",
+        v.name
+    );
 }
