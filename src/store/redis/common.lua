@@ -154,6 +154,26 @@ local function pending_take(p, token, settle)
   return delta, table.concat(out, ';')
 end
 
+-- The refund of a bucket: loads its state and takes this call's pending delta out of it (0
+-- with `settle`: the call was admitted everywhere, so only how to refund it is forgotten).
+-- `fields_after(s, delta)` returns the field and value pairs of the refunded state.
+local function refund_bucket(key, sec, horizon, fields, token, settle, fields_after)
+  local s = load_hash(key, sec, horizon, fields)
+  if s == nil then
+    return
+  end
+  local delta, p = pending_take(s.p, token, settle)
+  if settle then
+    delta = 0
+  end
+  redis.call('HSET', key, 'b', int(sec), fields_after(s, delta))
+  if p then
+    redis.call('HSET', key, 'p', p)
+  else
+    redis.call('HDEL', key, 'p')
+  end
+end
+
 -- RPUSH of many values, in batches that fit Lua's stack.
 local function rpush_all(key, values)
   for i = 1, #values, 1000 do

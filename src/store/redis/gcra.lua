@@ -34,20 +34,7 @@ ALGORITHMS['gcra'] = function(key, limit, interval, cost, horizon, sec, now)
 end
 
 REFUNDS['gcra'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now, settle)
-  local s = load_hash(key, sec, horizon, { 'tat' })
-  if s == nil then
-    return
-  end
-  local delta, p = pending_take(s.p, token, settle)
-  if settle then
-    -- The call was admitted everywhere: only forget how to refund it.
-    delta = 0
-  end
-  local tat = s.tat - s.shift - delta
-  redis.call('HSET', key, 'b', int(sec), 'tat', int(tat))
-  if p then
-    redis.call('HSET', key, 'p', p)
-  else
-    redis.call('HDEL', key, 'p')
-  end
+  refund_bucket(key, sec, horizon, { 'tat' }, token, settle, function(s, delta)
+    return 'tat', int(s.tat - s.shift - delta)
+  end)
 end

@@ -38,20 +38,8 @@ ALGORITHMS['leaky_bucket'] = function(key, limit, interval, cost, horizon, sec, 
 end
 
 REFUNDS['leaky_bucket'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now, settle)
-  local s = load_hash(key, sec, horizon, { 'level', 'last' })
-  if s == nil then
-    return
-  end
-  local delta, p = pending_take(s.p, token, settle)
-  if settle then
-    -- The call was admitted everywhere: only forget how to refund it.
-    delta = 0
-  end
-  -- A level below zero reads as an empty bucket, like a theoretical arrival time in the past.
-  redis.call('HSET', key, 'b', int(sec), 'level', int(s.level - delta), 'last', int(s.last - s.shift))
-  if p then
-    redis.call('HSET', key, 'p', p)
-  else
-    redis.call('HDEL', key, 'p')
-  end
+  refund_bucket(key, sec, horizon, { 'level', 'last' }, token, settle, function(s, delta)
+    -- A level below zero reads as an empty bucket, like a theoretical arrival time in the past.
+    return 'level', int(s.level - delta), 'last', int(s.last - s.shift)
+  end)
 end

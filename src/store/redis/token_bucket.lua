@@ -39,20 +39,8 @@ ALGORITHMS['token_bucket'] = function(key, limit, interval, cost, horizon, sec, 
 end
 
 REFUNDS['token_bucket'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now, settle)
-  local s = load_hash(key, sec, horizon, { 'credit', 'last' })
-  if s == nil then
-    return
-  end
-  local delta, p = pending_take(s.p, token, settle)
-  if settle then
-    -- The call was admitted everywhere: only forget how to refund it.
-    delta = 0
-  end
-  -- Credit above the capacity is capped when read, like a theoretical arrival time in the past.
-  redis.call('HSET', key, 'b', int(sec), 'credit', int(s.credit + delta), 'last', int(s.last - s.shift))
-  if p then
-    redis.call('HSET', key, 'p', p)
-  else
-    redis.call('HDEL', key, 'p')
-  end
+  refund_bucket(key, sec, horizon, { 'credit', 'last' }, token, settle, function(s, delta)
+    -- Credit above the capacity is capped when read, like a theoretical arrival time in the past.
+    return 'credit', int(s.credit + delta), 'last', int(s.last - s.shift)
+  end)
 end
