@@ -1,7 +1,8 @@
 //! The HTTP layer's own cost per request, in process (no sockets): an axum hello-world router
 //! called with `oneshot`, bare, with tollgate's layer (in-process store, per-IP key, a limit
 //! nobody reaches, the IETF fields on every response) and with tower_governor's
-//! `GovernorLayer`, all in the same run.
+//! `GovernorLayer`, each both under `Router::layer` and wrapped around the router, all in the
+//! same run.
 //!
 //! ```sh
 //! cargo bench --bench http --features axum
@@ -13,85 +14,64 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::Router;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::routing::get;
-use axum::{Extension, Router};
 use criterion::{Criterion, criterion_group};
+use governor::clock::QuantaInstant;
+use governor::middleware::NoOpMiddleware;
 use http::{Request, StatusCode};
-use tollgate::http::{HeaderProfile, RateLimit};
+use tollgate::http::HeaderProfile;
 use tollgate::key::PeerIp;
 use tollgate::limiter::Rule;
 use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
-use tower::{ServiceBuilder, ServiceExt};
+use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::PeerIpKeyExtractor;
 
 fn hello() -> Router {
     Router::new().route("/", get(|| async { "Hello, World!" }))
 }
 
-/// The peer every request comes from (as `into_make_service_with_connect_info` would say).
+/// The peer every request comes from. The caller puts it into each request's extensions, as
+/// `into_make_service_with_connect_info` does on a real server, so no app pays for a layer
+/// that adds it.
 const PEER: SocketAddr = SocketAddr::new(
     std::net::IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 7)),
     51000,
 );
 
-fn with_peer(app: Router) -> Router {
-    app.layer(Extension(ConnectInfo(PEER)))
-}
-
-fn bare() -> Router {
-    with_peer(hello())
-}
-
-fn tollgate(profile: HeaderProfile, decision_extension: bool) -> Router {
+fn layer(profile: HeaderProfile, decision_extension: bool) -> RateLimitLayer<MemoryStore> {
     // 10^9 per second with a burst of 10^9: nobody reaches it.
     let policy = Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)
         .and_then(|p| p.named("per-ip"))
         .unwrap_or_else(|e| panic!("{e}"));
-    let layer = RateLimitLayer::builder(MemoryStore::new())
+    RateLimitLayer::builder(MemoryStore::new())
         .rule(Rule::new("per-ip").key(PeerIp::new()).policy(policy))
         .headers(profile)
         .decision_extension(decision_extension)
         .build()
-        .unwrap_or_else(|e| panic!("{e}"));
-    with_peer(hello().layer(layer))
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// The cost axum adds for any layer on a router (a boxed service and future per layer): a layer
-/// that does nothing.
-fn noop() -> Router {
-    with_peer(hello().layer(tower::util::MapRequestLayer::new(|r: Request<Body>| r)))
-}
-
-fn governor() -> Router {
+fn governor_layer() -> GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware<QuantaInstant>, Body> {
     let config = GovernorConfigBuilder::default()
         .per_nanosecond(1)
         .burst_size(u32::MAX)
         .finish()
         .unwrap_or_else(|| panic!("governor config"));
-    with_peer(hello().layer(GovernorLayer::new(Arc::new(config))))
+    GovernorLayer::new(Arc::new(config))
 }
 
 fn request() -> Request<Body> {
-    Request::get("/").body(Body::empty()).unwrap_or_default()
+    let mut request = Request::get("/").body(Body::empty()).unwrap_or_default();
+    request.extensions_mut().insert(ConnectInfo(PEER));
+    request
 }
 
-/// A router, or a service wrapped around a whole router (no per-route boxing by axum), or
-/// a trivial service alone and with the layer (the layer's own cost, without axum).
-#[derive(Clone)]
-enum App {
-    Router(Router),
-    Outside(RateLimit<Router, MemoryStore>),
-    Trivial,
-    TrivialLimited(RateLimit<Trivial, MemoryStore>),
-}
-
-type Trivial = tower::util::ServiceFn<
-    fn(Request<Body>) -> std::future::Ready<Result<http::Response<Body>, Infallible>>,
->;
-
+/// A trivial tower service: the layer's own cost, without axum.
 fn trivial() -> Trivial {
     fn answer(_: Request<Body>) -> std::future::Ready<Result<http::Response<Body>, Infallible>> {
         std::future::ready(Ok(http::Response::new(Body::empty())))
@@ -99,68 +79,88 @@ fn trivial() -> Trivial {
     tower::service_fn(answer as fn(_) -> _)
 }
 
-async fn once(app: &App) -> Result<StatusCode, Infallible> {
-    match app {
-        App::Router(router) => Ok(router.clone().oneshot(request()).await?.status()),
-        App::Trivial => Ok(trivial().oneshot(with_connect_info()).await?.status()),
-        App::TrivialLimited(service) => {
-            Ok(service.clone().oneshot(with_connect_info()).await?.status())
-        }
-        App::Outside(service) => {
-            // What the router's extension layer does for the others.
-            let mut request = request();
-            request.extensions_mut().insert(ConnectInfo(PEER));
-            Ok(service.clone().oneshot(request).await?.status())
-        }
+type Trivial = tower::util::ServiceFn<
+    fn(Request<Body>) -> std::future::Ready<Result<http::Response<Body>, Infallible>>,
+>;
+
+/// One app under test: `n` requests through a fresh clone each (as a server does per
+/// connection), timed.
+trait App {
+    fn run(&self, runtime: &tokio::runtime::Runtime, n: u64) -> Duration;
+    fn status(&self, runtime: &tokio::runtime::Runtime) -> Option<StatusCode>;
+}
+
+struct Svc<S>(S);
+
+impl<S, B> App for Svc<S>
+where
+    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible> + Clone,
+{
+    fn run(&self, runtime: &tokio::runtime::Runtime, n: u64) -> Duration {
+        runtime.block_on(async {
+            // Measurement, not limiting: the wall clock is what a benchmark reads.
+            #[allow(clippy::disallowed_methods)]
+            let start = Instant::now();
+            for _ in 0..n {
+                let response = self.0.clone().oneshot(request()).await;
+                let _ = std::hint::black_box(response.map(|r| r.status()));
+            }
+            start.elapsed()
+        })
+    }
+
+    fn status(&self, runtime: &tokio::runtime::Runtime) -> Option<StatusCode> {
+        runtime
+            .block_on(self.0.clone().oneshot(request()))
+            .ok()
+            .map(|r| r.status())
     }
 }
 
-/// tollgate around the whole router, as `ServiceBuilder` puts it.
-fn tollgate_outside() -> App {
-    let policy = Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)
-        .and_then(|p| p.named("per-ip"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let layer = RateLimitLayer::builder(MemoryStore::new())
-        .rule(Rule::new("per-ip").key(PeerIp::new()).policy(policy))
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
-    App::Outside(ServiceBuilder::new().layer(layer).service(hello()))
+fn app<S, B>(service: S) -> Box<dyn App>
+where
+    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible> + Clone + 'static,
+{
+    Box::new(Svc(service))
 }
 
-fn with_connect_info() -> Request<Body> {
-    let mut request = request();
-    request.extensions_mut().insert(ConnectInfo(PEER));
-    request
-}
-
-fn trivial_limited() -> App {
-    let policy = Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)
-        .and_then(|p| p.named("per-ip"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let layer = RateLimitLayer::builder(MemoryStore::new())
-        .rule(Rule::new("per-ip").key(PeerIp::new()).policy(policy))
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
-    App::TrivialLimited(ServiceBuilder::new().layer(layer).service(trivial()))
-}
-
-fn apps() -> Vec<(&'static str, App)> {
+/// The apps, in the order of the tables in BENCHMARKS.md; `HTTP_BENCH_ONLY` takes an index.
+fn apps() -> Vec<(&'static str, Box<dyn App>)> {
+    let noop = tower::util::MapRequestLayer::new(|r: Request<Body>| r);
+    let around = |l| ServiceBuilder::new().layer(l).service(hello());
     vec![
-        ("bare axum", App::Router(bare())),
-        ("axum + a no-op layer", App::Router(noop())),
-        ("tollgate", App::Router(tollgate(HeaderProfile::Ietf, true))),
+        ("bare axum", app(hello())),
+        ("axum + a no-op layer", app(hello().layer(noop))),
         (
-            "tollgate, no fields/ext.",
-            App::Router(tollgate(HeaderProfile::Off, false)),
+            "tollgate",
+            app(hello().layer(layer(HeaderProfile::Ietf, true))),
         ),
-        ("tollgate around router", tollgate_outside()),
-        ("tower_governor", App::Router(governor())),
-        ("trivial service", App::Trivial),
         (
             "tollgate, no decision ext.",
-            App::Router(tollgate(HeaderProfile::Ietf, false)),
+            app(hello().layer(layer(HeaderProfile::Ietf, false))),
         ),
-        ("trivial + tollgate", trivial_limited()),
+        (
+            "tollgate, no fields/ext.",
+            app(hello().layer(layer(HeaderProfile::Off, false))),
+        ),
+        ("tower_governor", app(hello().layer(governor_layer()))),
+        (
+            "tollgate around router",
+            app(around(layer(HeaderProfile::Ietf, true))),
+        ),
+        (
+            "tower_governor around rtr",
+            app(ServiceBuilder::new()
+                .layer(governor_layer())
+                .service(hello().into_service::<Body>())),
+        ),
+        ("trivial service", app(trivial())),
+        (
+            "trivial + tollgate",
+            app(ServiceBuilder::new()
+                .layer(layer(HeaderProfile::Ietf, true))
+                .service(trivial())),
+        ),
     ]
 }
 
@@ -170,31 +170,18 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// `n` requests, in nanoseconds.
-fn run(runtime: &tokio::runtime::Runtime, app: &App, n: u64) -> Duration {
-    runtime.block_on(async {
-        // Measurement, not limiting: the wall clock is what a benchmark reads.
-        #[allow(clippy::disallowed_methods)]
-        let start = Instant::now();
-        for _ in 0..n {
-            let _ = std::hint::black_box(once(app).await);
-        }
-        start.elapsed()
-    })
-}
-
 fn bench(c: &mut Criterion) {
     let runtime = runtime();
     let apps = apps();
     // Every app answers 200 before it is timed.
     for (name, app) in &apps {
-        let status = runtime.block_on(once(app));
-        assert_eq!(status, Ok(StatusCode::OK), "{name}: {status:?}");
+        let status = app.status(&runtime);
+        assert_eq!(status, Some(StatusCode::OK), "{name}: {status:?}");
     }
     let mut group = c.benchmark_group("http/in_process");
     group.measurement_time(Duration::from_secs(4));
     for (name, app) in &apps {
-        group.bench_function(*name, |b| b.iter_custom(|iters| run(&runtime, app, iters)));
+        group.bench_function(*name, |b| b.iter_custom(|iters| app.run(&runtime, iters)));
     }
     group.finish();
 }
@@ -209,7 +196,7 @@ fn interleaved() {
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); apps.len()];
     for _ in 0..ROUNDS {
         for (i, (_, app)) in apps.iter().enumerate() {
-            let took = run(&runtime, app, PER_ROUND);
+            let took = app.run(&runtime, PER_ROUND);
             samples[i].push(took.as_nanos() as f64 / PER_ROUND as f64);
         }
     }
@@ -243,9 +230,14 @@ fn main() {
             return;
         };
         if let Some((name, app)) = apps.get(index) {
-            let took = run(&runtime(), app, n);
+            let took = app.run(&runtime(), n);
             println!("{name}: {n} requests in {took:?}");
         }
+        return;
+    }
+    // `HTTP_BENCH_INTERLEAVED=1`: the interleaved medians alone (a few seconds).
+    if std::env::var_os("HTTP_BENCH_INTERLEAVED").is_some() {
+        interleaved();
         return;
     }
     benches();
