@@ -93,47 +93,32 @@ pin_project! {
 type StateOf<S, St, B> =
     State<<St as Store>::Future, <S as Service<Request<B>>>::Future, Box<Pending<S, B, St>>>;
 
-/// The ready inner service: borrowed from the service in `call()` (a clone takes its place if
-/// the request must wait), or owned by a waiting future.
-trait ReadyInner<S> {
-    fn call<R>(self, request: R) -> S::Future
-    where
-        S: Service<R>;
-
-    fn into_owned(self) -> S;
-}
-
-struct Borrowed<'a, S>(&'a mut S);
-
-impl<S: Clone> ReadyInner<S> for Borrowed<'_, S> {
-    #[inline]
-    fn call<R>(self, request: R) -> S::Future
-    where
-        S: Service<R>,
-    {
-        self.0.call(request)
-    }
-
-    fn into_owned(self) -> S {
-        // The ready service goes with the request; its clone waits for the next poll_ready.
-        let clone = self.0.clone();
-        std::mem::replace(self.0, clone)
-    }
-}
-
-struct Owned<S>(S);
-
-impl<S> ReadyInner<S> for Owned<S> {
-    fn call<R>(mut self, request: R) -> S::Future
-    where
-        S: Service<R>,
-    {
-        self.0.call(request)
-    }
-
-    fn into_owned(self) -> S {
-        self.0
-    }
+/// What happens next to a request, decided from its head alone (borrowed, so that the head
+/// moves once, into the inner service's request or into [`Pending`]).
+enum Next<F> {
+    /// Admitted: call the inner service, then add these fields to its response.
+    Call(Option<FieldValues>),
+    /// Refused: this is the answer.
+    Answer(Response<Bytes>),
+    /// Wait for the store's decision on the enforced rules.
+    Check {
+        check: F,
+        applied: SmallVec<[Applied; 4]>,
+        shadow: Option<ShadowPlan>,
+    },
+    /// Admitted; wait for the store's decision on the shadow rules.
+    Shadow {
+        check: F,
+        applied: SmallVec<[Applied; 4]>,
+        decision: Option<Decision>,
+        shadow: SmallVec<[Applied; 4]>,
+    },
+    /// Wait for a tier resolver.
+    Resolve {
+        plan: Box<Plan>,
+        at: (bool, usize),
+        answer: crate::limiter::Resolving,
+    },
 }
 
 /// The output of a store future that is already known, or the future back.
@@ -157,163 +142,82 @@ where
     St: Store,
 {
     /// What `RateLimit::call` does: plans the request, asks the store, and with an
-    /// in-process store decides and calls the inner service right here.
+    /// in-process store decides and calls the (ready) inner service right here.
     #[inline(always)]
     pub(crate) fn call(shared: &Arc<Shared<St>>, inner: &mut S, request: Request<B>) -> Self {
-        let (parts, body) = request.into_parts();
+        let (mut parts, body) = request.into_parts();
         let start = shared.limiter.start(&parts);
-        Self {
-            state: Self::started(shared, start, parts, body, Borrowed(inner)),
-        }
-    }
-
-    #[inline(always)]
-    fn started(
-        shared: &Arc<Shared<St>>,
-        start: Start<St::Future>,
-        parts: Parts,
-        body: B,
-        inner: impl ReadyInner<S>,
-    ) -> StateOf<S, St, B> {
-        match start {
-            Start::Checking {
-                check,
-                applied,
-                shadow,
-            } => match now(check) {
-                Ok(result) => Self::decided(shared, result, applied, shadow, parts, body, inner),
-                Err(check) => State::Checking {
-                    check,
-                    pending: Box::new(Pending {
-                        shared: Arc::clone(shared),
-                        parts,
-                        body,
-                        inner: inner.into_owned(),
-                    }),
-                    applied,
-                    shadow,
-                },
+        let state = match shared.started(start, &mut parts) {
+            Next::Call(fields) => State::Calling {
+                fut: inner.call(Request::from_parts(parts, body)),
+                fields,
             },
-            Start::Unchecked { shadow } => {
-                Self::admitted(shared, None, SmallVec::new(), shadow, parts, body, inner)
-            }
-            Start::Resolving { plan, at, answer } => State::Resolving {
-                answer,
-                at,
-                plan,
-                pending: Box::new(Pending {
+            Next::Answer(response) => State::Answered {
+                response: Some(response),
+            },
+            next => {
+                // The ready service goes with the request; its clone waits for the next
+                // poll_ready.
+                let clone = inner.clone();
+                let pending = Box::new(Pending {
                     shared: Arc::clone(shared),
                     parts,
                     body,
-                    inner: inner.into_owned(),
-                }),
-            },
-            Start::NoKey(no_key) => State::Answered {
-                response: Some(shared.no_key(&parts, no_key)),
-            },
-        }
-    }
-
-    /// The enforced rules' decision is known.
-    #[inline(always)]
-    fn decided(
-        shared: &Arc<Shared<St>>,
-        result: Result<Decision, StoreError>,
-        applied: SmallVec<[Applied; 4]>,
-        shadow: Option<ShadowPlan>,
-        parts: Parts,
-        body: B,
-        inner: impl ReadyInner<S>,
-    ) -> StateOf<S, St, B> {
-        match result {
-            Ok(d) if d.allowed() => {
-                Self::admitted(shared, Some(d), applied, shadow, parts, body, inner)
-            }
-            Ok(d) => State::Answered {
-                response: Some(shared.limited(&parts, &d, &applied)),
-            },
-            Err(e) => State::Answered {
-                response: Some(shared.unavailable(&parts, &e)),
-            },
-        }
-    }
-
-    /// Admitted by the enforced rules: the shadow rules, then the inner service.
-    #[inline(always)]
-    fn admitted(
-        shared: &Arc<Shared<St>>,
-        decision: Option<Decision>,
-        applied: SmallVec<[Applied; 4]>,
-        shadow: Option<ShadowPlan>,
-        parts: Parts,
-        body: B,
-        inner: impl ReadyInner<S>,
-    ) -> StateOf<S, St, B> {
-        let rejection = match shadow {
-            None => None,
-            Some(shadow) => {
-                let (check, shadow) = shared.limiter.check_shadow(&shadow);
-                match now(check) {
-                    Ok(result) => shadow_rejection(shared, result, &shadow),
-                    Err(check) => {
-                        return State::Shadowing {
-                            check,
-                            pending: Box::new(Pending {
-                                shared: Arc::clone(shared),
-                                parts,
-                                body,
-                                inner: inner.into_owned(),
-                            }),
-                            applied,
-                            decision,
-                            shadow,
-                        };
-                    }
-                }
+                    inner: std::mem::replace(inner, clone),
+                });
+                Self::then(next, pending)
             }
         };
-        Self::call_inner(shared, decision, &applied, parts, body, inner, rejection)
+        Self { state }
     }
 
-    #[inline(always)]
-    fn call_inner(
-        shared: &Shared<St>,
-        decision: Option<Decision>,
-        applied: &[Applied],
-        mut parts: Parts,
-        body: B,
-        inner: impl ReadyInner<S>,
-        shadow: Option<ShadowRejection>,
-    ) -> StateOf<S, St, B> {
-        let fields = match decision {
-            Some(d) => {
-                if shared.decision_extension {
-                    parts.extensions.insert(d);
+    /// The state in which a waiting request goes on.
+    fn then(next: Next<St::Future>, pending: Box<Pending<S, B, St>>) -> StateOf<S, St, B> {
+        match next {
+            Next::Call(fields) => {
+                let Pending {
+                    parts,
+                    body,
+                    mut inner,
+                    ..
+                } = *pending;
+                State::Calling {
+                    fut: inner.call(Request::from_parts(parts, body)),
+                    fields,
                 }
-                shared.fields(&d, applied)
             }
-            None => None,
-        };
-        if let Some(shadow) = shadow {
-            parts.extensions.insert(shadow);
+            Next::Answer(response) => State::Answered {
+                response: Some(response),
+            },
+            Next::Check {
+                check,
+                applied,
+                shadow,
+            } => State::Checking {
+                check,
+                pending,
+                applied,
+                shadow,
+            },
+            Next::Shadow {
+                check,
+                applied,
+                decision,
+                shadow,
+            } => State::Shadowing {
+                check,
+                pending,
+                applied,
+                decision,
+                shadow,
+            },
+            Next::Resolve { plan, at, answer } => State::Resolving {
+                answer,
+                at,
+                plan,
+                pending,
+            },
         }
-        State::Calling {
-            fut: inner.call(Request::from_parts(parts, body)),
-            fields,
-        }
-    }
-}
-
-/// A shadow rule's refusal, reported; anything else (an admission, a failing store) changes
-/// nothing.
-fn shadow_rejection<St: Store>(
-    shared: &Shared<St>,
-    result: Result<Decision, StoreError>,
-    applied: &[Applied],
-) -> Option<ShadowRejection> {
-    match result {
-        Ok(d) if !d.allowed() => Some(shared.limiter.shadow_rejected(applied, d)),
-        _ => None,
     }
 }
 
@@ -347,7 +251,7 @@ where
                 StateProj::Checking { check, .. } => {
                     let result = ready!(check.poll(cx));
                     let StateReplace::Checking {
-                        pending,
+                        mut pending,
                         applied,
                         shadow,
                         ..
@@ -355,18 +259,14 @@ where
                     else {
                         unreachable!("the state was just matched")
                     };
-                    let Pending {
-                        shared,
-                        parts,
-                        body,
-                        inner,
-                    } = *pending;
-                    Self::decided(&shared, result, applied, shadow, parts, body, Owned(inner))
+                    let p = &mut *pending;
+                    let next = p.shared.decided(result, applied, shadow, &mut p.parts);
+                    Self::then(next, pending)
                 }
                 StateProj::Shadowing { check, .. } => {
                     let result = ready!(check.poll(cx));
                     let StateReplace::Shadowing {
-                        pending,
+                        mut pending,
                         applied,
                         decision,
                         shadow,
@@ -375,44 +275,27 @@ where
                     else {
                         unreachable!("the state was just matched")
                     };
-                    let Pending {
-                        shared,
-                        parts,
-                        body,
-                        inner,
-                    } = *pending;
-                    let rejection = shadow_rejection(&shared, result, &shadow);
-                    Self::call_inner(
-                        &shared,
-                        decision,
-                        &applied,
-                        parts,
-                        body,
-                        Owned(inner),
-                        rejection,
-                    )
+                    let p = &mut *pending;
+                    let rejection = p.shared.shadow_rejection(result, &shadow);
+                    let fields = p.shared.admit(decision, &applied, &mut p.parts, rejection);
+                    Self::then(Next::Call(fields), pending)
                 }
                 StateProj::Resolving { answer, .. } => {
                     let tier = ready!(answer.as_mut().poll(cx));
                     let StateReplace::Resolving {
                         at,
                         mut plan,
-                        pending,
+                        mut pending,
                         ..
                     } = this.state.as_mut().project_replace(State::Done)
                     else {
                         unreachable!("the state was just matched")
                     };
-                    let Pending {
-                        shared,
-                        parts,
-                        body,
-                        inner,
-                    } = *pending;
-                    let limiter = &shared.limiter;
+                    let p = &mut *pending;
+                    let limiter = &p.shared.limiter;
                     limiter.resolved(&mut plan, at.0, at.1, tier.as_deref());
-                    let start = limiter.resume(plan);
-                    Self::started(&shared, start, parts, body, Owned(inner))
+                    let next = p.shared.started(limiter.resume(plan), &mut p.parts);
+                    Self::then(next, pending)
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
             };
@@ -432,6 +315,105 @@ where
 }
 
 impl<St: Store> Shared<St> {
+    /// Where a request stands once its rules are planned and the store asked.
+    #[inline(always)]
+    fn started(&self, start: Start<St::Future>, parts: &mut Parts) -> Next<St::Future> {
+        match start {
+            Start::Checking {
+                check,
+                applied,
+                shadow,
+            } => match now(check) {
+                Ok(result) => self.decided(result, applied, shadow, parts),
+                Err(check) => Next::Check {
+                    check,
+                    applied,
+                    shadow,
+                },
+            },
+            Start::Unchecked { shadow } => self.admitted(None, SmallVec::new(), shadow, parts),
+            Start::Resolving { plan, at, answer } => Next::Resolve { plan, at, answer },
+            Start::NoKey(no_key) => Next::Answer(self.no_key(parts, no_key)),
+        }
+    }
+
+    /// The enforced rules' decision is known.
+    #[inline(always)]
+    fn decided(
+        &self,
+        result: Result<Decision, StoreError>,
+        applied: SmallVec<[Applied; 4]>,
+        shadow: Option<ShadowPlan>,
+        parts: &mut Parts,
+    ) -> Next<St::Future> {
+        match result {
+            Ok(d) if d.allowed() => self.admitted(Some(d), applied, shadow, parts),
+            Ok(d) => Next::Answer(self.limited(parts, &d, &applied)),
+            Err(e) => Next::Answer(self.unavailable(parts, &e)),
+        }
+    }
+
+    /// Admitted by the enforced rules: the shadow rules, then the inner service.
+    #[inline(always)]
+    fn admitted(
+        &self,
+        decision: Option<Decision>,
+        applied: SmallVec<[Applied; 4]>,
+        shadow: Option<ShadowPlan>,
+        parts: &mut Parts,
+    ) -> Next<St::Future> {
+        let rejection = match shadow {
+            None => None,
+            Some(shadow) => {
+                let (check, shadow) = self.limiter.check_shadow(&shadow);
+                match now(check) {
+                    Ok(result) => self.shadow_rejection(result, &shadow),
+                    Err(check) => {
+                        return Next::Shadow {
+                            check,
+                            applied,
+                            decision,
+                            shadow,
+                        };
+                    }
+                }
+            }
+        };
+        Next::Call(self.admit(decision, &applied, parts, rejection))
+    }
+
+    /// The request's extensions and response fields, on its way to the inner service.
+    #[inline(always)]
+    fn admit(
+        &self,
+        decision: Option<Decision>,
+        applied: &[Applied],
+        parts: &mut Parts,
+        shadow: Option<ShadowRejection>,
+    ) -> Option<FieldValues> {
+        if let Some(shadow) = shadow {
+            parts.extensions.insert(shadow);
+        }
+        let d = decision?;
+        if self.decision_extension {
+            parts.extensions.insert(d);
+        }
+        self.fields(&d, applied)
+    }
+
+    /// A shadow rule's refusal, reported; anything else (an admission, a failing store)
+    /// changes nothing.
+    fn shadow_rejection(
+        &self,
+        result: Result<Decision, StoreError>,
+        applied: &[Applied],
+    ) -> Option<ShadowRejection> {
+        match result {
+            Ok(d) if !d.allowed() => Some(self.limiter.shadow_rejected(applied, d)),
+            _ => None,
+        }
+    }
+
     /// The rate-limit fields of an admitted request.
     #[inline]
     fn fields(&self, decision: &Decision, applied: &[Applied]) -> Option<FieldValues> {

@@ -44,6 +44,8 @@ pub struct Limiter<St> {
     pub(crate) store: St,
     pub(crate) rules: Box<[CompiledRule]>,
     pub(crate) observer: Option<Observer>,
+    /// One rule with one policy, no tiers and no shadow mode: planned without a [`Plan`].
+    single: bool,
 }
 
 pub(crate) type Observer = Arc<dyn Fn(&ShadowRejection) + Send + Sync>;
@@ -120,10 +122,15 @@ impl<St: Store> LimiterBuilder<St> {
             }
             compiled.push(CompiledRule::compile(rule)?);
         }
+        let single = matches!(&compiled[..], [rule] if rule.tiers.is_none()
+            && !rule.shadow
+            && rule.sets.len() == 1
+            && rule.sets[0].policies.len() == 1);
         Ok(Limiter {
             store: self.store,
             rules: compiled.into(),
             observer: self.observer,
+            single,
         })
     }
 }
@@ -419,11 +426,43 @@ impl<St: Store> Limiter<St> {
     /// here (for the in-process store, the future is ready).
     #[inline]
     pub(crate) fn start(&self, parts: &Parts) -> Start<St::Future> {
+        if self.single {
+            return self.start_single(parts);
+        }
         let mut plan = Plan::default();
         if let Err(no_key) = self.fill(parts, &mut plan) {
             return Start::NoKey(no_key);
         }
         self.proceed(&mut plan)
+    }
+
+    /// [`Limiter::start`] for the one simple rule of a `single` limiter: the same answers,
+    /// without building a plan.
+    #[inline]
+    fn start_single(&self, parts: &Parts) -> Start<St::Future> {
+        let Some(rule) = self.rules.first() else {
+            return Start::Unchecked { shadow: None };
+        };
+        if !rule.matches(parts) {
+            return Start::Unchecked { shadow: None };
+        }
+        let key = match rule_key(rule, 0, parts) {
+            Err(no_key) => return Start::NoKey(no_key),
+            Ok(None) => return Start::Unchecked { shadow: None },
+            Ok(Some(key)) => bounded(rule, key),
+        };
+        let policy = &self.set(0, 0).policies[0];
+        let mut applied = SmallVec::new();
+        applied.push(Applied { rule: 0, set: 0 });
+        Start::Checking {
+            check: self.store.check(
+                key.as_str(),
+                policy,
+                rule.cost.of(parts).min(policy.limit()),
+            ),
+            applied,
+            shadow: None,
+        }
     }
 
     /// Goes on with a plan whose tier was just resolved.
@@ -479,27 +518,14 @@ impl<St: Store> Limiter<St> {
                 continue;
             }
             let index = u16::try_from(index).unwrap_or(u16::MAX);
-            let mut key = Key::new();
-            key.push_str(&rule.prefix);
-            let prefix = key.len();
-            if !rule.key.extract_into(parts, &mut key) {
-                match rule.missing {
-                    MissingKey::Skip => continue,
-                    MissingKey::Reject(status) => {
-                        return Err(NoKey {
-                            rule: index,
-                            status,
-                        });
-                    }
-                }
-            }
+            let Some(key) = rule_key(rule, index, parts)? else {
+                continue;
+            };
             let mut raw = None;
             if rule.tiers.is_some() {
-                raw = key.as_str().get(prefix..).map(Box::<str>::from);
+                raw = key.as_str().get(rule.prefix.len()..).map(Box::<str>::from);
             }
-            if key.len() > MAX_KEY_LEN {
-                key = hashed_key(&rule.name, key.as_str().get(prefix..).unwrap_or_default());
-            }
+            let key = bounded(rule, key);
             let set = match &rule.tiers {
                 None => Some(0),
                 Some(tiers) => match tiers.cached(key.as_str()) {
@@ -659,6 +685,36 @@ impl<St: Store> Limiter<St> {
     }
 }
 
+/// The key of rule `index` for a request, `rule:key` (`rule:` is the rule's `prefix`); `None`
+/// when the rule has no key for it and skips it.
+#[inline]
+fn rule_key(rule: &CompiledRule, index: u16, parts: &Parts) -> Result<Option<Key>, NoKey> {
+    let mut key = Key::new();
+    key.push_str(&rule.prefix);
+    if rule.key.extract_into(parts, &mut key) {
+        return Ok(Some(key));
+    }
+    match rule.missing {
+        MissingKey::Skip => Ok(None),
+        MissingKey::Reject(status) => Err(NoKey {
+            rule: index,
+            status,
+        }),
+    }
+}
+
+/// A rule's store key, hashed when longer than [`MAX_KEY_LEN`].
+#[inline]
+fn bounded(rule: &CompiledRule, key: Key) -> Key {
+    if key.len() <= MAX_KEY_LEN {
+        return key;
+    }
+    hashed_key(
+        &rule.name,
+        key.as_str().get(rule.prefix.len()..).unwrap_or_default(),
+    )
+}
+
 /// The store key of a rule's key: `rule:key`, or `rule:#` and a 128-bit hash of the key when
 /// that would be longer than [`MAX_KEY_LEN`].
 #[cfg(test)]
@@ -801,6 +857,72 @@ mod tests {
         assert_eq!(a, store_key("rule", &long));
         assert_ne!(a, store_key("rule", &Key::from("k".repeat(10_001))));
         assert_eq!(store_key("r", &Key::from("x")).as_str(), "r:x");
+    }
+
+    /// The one-rule shortcut of `start` answers as the general plan does: the same refusals
+    /// for a missing key, the same skips, and the same store key (also when hashed).
+    #[test]
+    fn the_single_rule_shortcut_matches_the_plan() {
+        let store = MemoryStore::with_clock(crate::clock::ManualClock::new());
+        let rule = |missing| {
+            Rule::new("k")
+                .method(Method::GET)
+                .key(Header::from_static("x-a"))
+                .on_missing_key(missing)
+                .policy(p(1))
+        };
+        // A second rule that never applies sends the same requests down the general path.
+        let build = |missing, general: bool| {
+            let mut b = Limiter::builder(store.clone()).rule(rule(missing));
+            if general {
+                b = b.rule(Rule::new("never").method(Method::PATCH).policy(p(1)));
+            }
+            let limiter = b.build().unwrap();
+            assert_eq!(limiter.single, !general);
+            limiter
+        };
+        let request = |method: Method, key: Option<String>| {
+            let mut r = http::Request::builder().method(method).uri("/");
+            if let Some(k) = key {
+                r = r.header("x-a", k);
+            }
+            r.body(()).unwrap().into_parts().0
+        };
+        let outcome =
+            |start: Start<std::future::Ready<Result<Decision, crate::StoreError>>>| match start {
+                Start::NoKey(n) => format!("no key {}", n.status),
+                Start::Unchecked { shadow } => format!("unchecked {}", shadow.is_none()),
+                Start::Checking { check, applied, .. } => {
+                    let d = check.into_inner().unwrap();
+                    format!("{} {:?}", d.allowed(), applied.len())
+                }
+                Start::Resolving { .. } => "resolving".into(),
+            };
+        let reject = MissingKey::Reject(StatusCode::UNAUTHORIZED);
+        for general in [false, true] {
+            let strict = build(reject, general);
+            assert_eq!(
+                outcome(strict.start(&request(Method::GET, None))),
+                "no key 401 Unauthorized"
+            );
+            assert_eq!(
+                outcome(strict.start(&request(Method::POST, None))),
+                "unchecked true"
+            );
+            let lenient = build(MissingKey::Skip, general);
+            assert_eq!(
+                outcome(lenient.start(&request(Method::GET, None))),
+                "unchecked true"
+            );
+        }
+        // Both paths count against one store key, a short one and a hashed long one.
+        for key in ["short".to_string(), "x".repeat(500)] {
+            let single = build(reject, false);
+            let general = build(reject, true);
+            let get = || request(Method::GET, Some(key.clone()));
+            assert_eq!(outcome(single.start(&get())), "true 1");
+            assert_eq!(outcome(general.start(&get())), "false 1");
+        }
     }
 
     #[test]
