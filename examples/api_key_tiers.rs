@@ -1,4 +1,4 @@
-//! cargo run --example api_key_tiers --features axum
+//! cargo run --example api_key_tiers
 //!
 //! Limits by plan: each API key belongs to a tier (free or pro) that a slow "database" knows.
 //! The tier is looked up once per key and remembered for a minute, so the database sees one

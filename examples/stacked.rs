@@ -1,4 +1,4 @@
-//! cargo run --example stacked --features axum
+//! cargo run --example stacked
 //!
 //! Stacked limits: per user, per tenant and global, decided all or nothing. An authentication
 //! middleware puts the user and the tenant into the request extensions; the limiter keys two

@@ -1,4 +1,4 @@
-//! cargo run --example tonic
+//! cargo run --example tonic --features tonic
 //!
 //! A tonic gRPC server behind tollgate's layer, and a tonic client calling it until it is
 //! limited: the client sees the status `RESOURCE_EXHAUSTED` with the wait in

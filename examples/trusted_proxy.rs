@@ -1,4 +1,4 @@
-//! cargo run --example trusted_proxy --features axum
+//! cargo run --example trusted_proxy
 //!
 //! Per-client limits behind a load balancer. The server trusts one proxy (127.0.0.1, standing
 //! in for the load balancer) and keys requests by the client address it reports in

@@ -18,7 +18,7 @@ use http_body::{Body, Frame};
 use http_body_util::Empty;
 use support::store;
 use tollgate::clock::ManualClock;
-use tollgate::http::{RateLimit, ResponseFuture};
+use tollgate::http::{RateLimit, ResponseBody, ResponseFuture};
 use tollgate::key::PeerIp;
 use tollgate::limiter::Rule;
 use tollgate::{MemoryStore, Policy, RateLimitLayer};
@@ -50,7 +50,8 @@ struct Strict {
 }
 
 impl<B> Service<Request<B>> for Strict {
-    type Response = Response<Empty<Bytes>>;
+    // `Empty` cannot carry a refusal's body: the layer's wrapper can.
+    type Response = Response<ResponseBody<Empty<Bytes>>>;
     type Error = Infallible;
     type Future = std::future::Ready<Result<Self::Response, Infallible>>;
 
@@ -67,7 +68,7 @@ impl<B> Service<Request<B>> for Strict {
         assert!(self.ready, "called without poll_ready on this instance");
         self.ready = false;
         self.calls.fetch_add(1, Ordering::SeqCst);
-        std::future::ready(Ok(Response::new(Empty::new())))
+        std::future::ready(Ok(Response::new(ResponseBody::new(Empty::new()))))
     }
 }
 

@@ -14,7 +14,7 @@ use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 use tower_service::Service;
 
-use super::body::ResponseBody;
+use super::body::RefusalBody;
 use super::layer::Shared;
 use super::response::{FieldValues, HeaderProfile, Rejection, RejectionKind};
 use crate::limiter::{Applied, NoKey, Plan, ShadowPlan, ShadowRejection, Start};
@@ -225,16 +225,16 @@ impl<S, St, B, ResBody> Future for ResponseFuture<S, St, B>
 where
     S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     St: Store,
+    ResBody: RefusalBody,
 {
-    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+    type Output = Result<Response<ResBody>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
             let next = match this.state.as_mut().project() {
                 StateProj::Calling { fut, fields } => {
-                    let response = ready!(fut.poll(cx))?;
-                    let mut response = response.map(ResponseBody::inner);
+                    let mut response = ready!(fut.poll(cx))?;
                     if let Some(fields) = fields.take() {
                         fields.apply(response.headers_mut());
                     }
@@ -244,7 +244,7 @@ where
                 StateProj::Answered { response } => match response.take() {
                     Some(response) => {
                         this.state.set(State::Done);
-                        return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                        return Poll::Ready(Ok(response.map(ResBody::refusal)));
                     }
                     None => panic!("ResponseFuture polled after completion"),
                 },

@@ -13,7 +13,8 @@
 //!
 //! The layer is `Clone + Send + Sync`, keeps one set of limits however many routes axum
 //! applies it to (`Router::layer`, `Router::route_layer`, `ServiceBuilder`), never reads the
-//! body, and needs no `HandleErrorLayer`: a refusal is an `Ok` response.
+//! body, and needs no `HandleErrorLayer`: a refusal is an `Ok` response. Responses keep the
+//! inner service's body type (see [`RefusalBody`]), so nothing is boxed again on the way out.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -58,7 +59,7 @@ mod layer;
 mod response;
 mod service;
 
-pub use body::ResponseBody;
+pub use body::{RefusalBody, ResponseBody};
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_UNAVAILABLE_RETRY_AFTER, RateLimitLayer, RateLimitLayerBuilder};
 pub use response::{

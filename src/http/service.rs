@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use super::body::ResponseBody;
+use super::body::RefusalBody;
 use super::future::ResponseFuture;
 use super::layer::Shared;
 use crate::Store;
@@ -69,8 +69,9 @@ impl<S, St, B, ResBody> Service<Request<B>> for RateLimit<S, St>
 where
     S: Service<Request<B>, Response = Response<ResBody>> + Clone,
     St: Store,
+    ResBody: RefusalBody,
 {
-    type Response = Response<ResponseBody<ResBody>>;
+    type Response = Response<ResBody>;
     type Error = S::Error;
     type Future = ResponseFuture<S, St, B>;
 
