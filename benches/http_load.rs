@@ -1,6 +1,7 @@
-//! Loopback load: hello-world axum servers (bare, with tollgate's layer, with it but no
-//! rate-limit fields, with tower_governor's `GovernorLayer`) driven by `wrk` in the same run,
-//! in alternation, for requests per second and the 99th percentile latency.
+//! Loopback load: hello-world axum servers (bare; with tollgate's layer, with it but no
+//! rate-limit fields, with tower_governor's `GovernorLayer`, each under `Router::layer`; and
+//! both layers wrapped around the whole router) driven by `wrk` in the same run, in
+//! alternation, for requests per second and the 99th percentile latency.
 //!
 //! ```sh
 //! apt-get install -y wrk          # Debian's wrk
@@ -8,21 +9,30 @@
 //! ```
 //!
 //! The servers share one tokio worker thread, wrk gets one thread: on a two-core machine each
-//! side has a core. Every run is bounded: `ROUNDS` x 4 servers x `SECONDS` seconds.
+//! side has a core. Every run is bounded: `ROUNDS` x 6 servers x `SECONDS` seconds.
 #![allow(missing_docs)]
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::Arc;
 
-use axum::Router;
+use axum::extract::{ConnectInfo, Request};
+use axum::response::Response;
 use axum::routing::get;
+use axum::serve::IncomingStream;
+use axum::{Extension, Router};
+use governor::clock::QuantaInstant;
+use governor::middleware::NoOpMiddleware;
+use tokio::net::TcpListener;
 use tollgate::http::HeaderProfile;
 use tollgate::key::PeerIp;
 use tollgate::limiter::Rule;
 use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+use tower::{Layer, Service, ServiceBuilder};
 use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::PeerIpKeyExtractor;
 
 const ROUNDS: usize = 7;
 const SECONDS: u32 = 3;
@@ -44,21 +54,42 @@ fn layer(profile: HeaderProfile) -> RateLimitLayer<MemoryStore> {
         .unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn tollgate() -> Router {
-    hello().layer(layer(HeaderProfile::Ietf))
-}
-
-fn tollgate_no_fields() -> Router {
-    hello().layer(layer(HeaderProfile::Off))
-}
-
-fn governor() -> Router {
+fn governor_layer()
+-> GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware<QuantaInstant>, axum::body::Body> {
     let config = GovernorConfigBuilder::default()
         .per_nanosecond(1)
         .burst_size(u32::MAX)
         .finish()
         .unwrap_or_else(|| panic!("governor config"));
-    hello().layer(GovernorLayer::new(Arc::new(config)))
+    GovernorLayer::new(Arc::new(config))
+}
+
+/// Serves `service` as `into_make_service_with_connect_info` serves a router: each connection
+/// gets a clone that puts the peer address into every request.
+async fn serve<S>(listener: TcpListener, service: S) -> std::io::Result<()>
+where
+    S: Service<Request, Response = Response, Error = Infallible> + Clone + Send + Sync + 'static,
+    S::Future: Send,
+{
+    let make = tower::service_fn(move |incoming: IncomingStream<'_, TcpListener>| {
+        let with_peer = Extension(ConnectInfo(*incoming.remote_addr())).layer(service.clone());
+        std::future::ready(Ok::<_, Infallible>(with_peer))
+    });
+    axum::serve(listener, make).await
+}
+
+/// Binds a loopback port and serves `service` there.
+async fn spawn<S>(service: S) -> SocketAddr
+where
+    S: Service<Request, Response = Response, Error = Infallible> + Clone + Send + Sync + 'static,
+    S::Future: Send,
+{
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+    tokio::spawn(serve(listener, service));
+    addr
 }
 
 /// (requests per second, p99 in microseconds) of one wrk run.
@@ -118,31 +149,46 @@ fn main() {
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
     let servers: Vec<(&str, SocketAddr)> = runtime.block_on(async {
-        let mut servers = Vec::new();
-        for (name, app) in [
-            ("bare axum", hello()),
-            ("tollgate", tollgate()),
-            ("tollgate, no fields", tollgate_no_fields()),
-            ("tower_governor", governor()),
-        ] {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
-            let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
-            tokio::spawn(async move {
-                let app = app.into_make_service_with_connect_info::<SocketAddr>();
-                axum::serve(listener, app).await
-            });
-            servers.push((name, addr));
-        }
-        servers
+        vec![
+            ("bare axum", spawn(hello()).await),
+            (
+                "tollgate",
+                spawn(hello().layer(layer(HeaderProfile::Ietf))).await,
+            ),
+            (
+                "tollgate, no fields",
+                spawn(hello().layer(layer(HeaderProfile::Off))).await,
+            ),
+            (
+                "tower_governor",
+                spawn(hello().layer(governor_layer())).await,
+            ),
+            (
+                "tollgate around",
+                spawn(
+                    ServiceBuilder::new()
+                        .layer(layer(HeaderProfile::Ietf))
+                        .service(hello()),
+                )
+                .await,
+            ),
+            (
+                "tower_governor around",
+                spawn(
+                    ServiceBuilder::new()
+                        .layer(governor_layer())
+                        .service(hello().into_service()),
+                )
+                .await,
+            ),
+        ]
     });
     let mut results: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); servers.len()];
     for round in 1..=ROUNDS {
         for (i, (name, addr)) in servers.iter().enumerate() {
             match wrk(*addr) {
                 Some((rps, p99)) => {
-                    println!("round {round}: {name:<20} {rps:>9.0} req/s  p99 {p99:>7.0} us");
+                    println!("round {round}: {name:<22} {rps:>9.0} req/s  p99 {p99:>7.0} us");
                     results[i].0.push(rps);
                     results[i].1.push(p99);
                 }
@@ -162,7 +208,7 @@ fn main() {
         }
         let (rps, p99) = (median(rps), median(p99));
         println!(
-            "  {name:<20} {rps:>9.0} req/s ({:.3}x bare)  p99 {p99:>6.0} us",
+            "  {name:<22} {rps:>9.0} req/s ({:.3}x bare)  p99 {p99:>6.0} us",
             rps / bare_rps
         );
     }
