@@ -49,6 +49,11 @@ use pin_project_lite::pin_project;
 /// # Ok(())
 /// # }
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "the rate-limit layer cannot answer a refusal with a `{Self}` body",
+    label = "the inner service's response body",
+    note = "put the layer inside the one that changes the body type (tower-http's compression, for one), or map the inner responses with `.map_response(|r| r.map(tollgate::http::ResponseBody::new))`"
+)]
 pub trait RefusalBody {
     /// A body holding `bytes` (possibly empty).
     fn refusal(bytes: Bytes) -> Self;
