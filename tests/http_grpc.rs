@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use http::request::Parts;
-use support::grpc::{Greeter, channel, say_hello};
+use support::grpc::{channel, greeter, say_hello};
 use support::{DownStore, store};
 use tollgate::key::KeyExtractor;
 use tollgate::limiter::Rule;
@@ -30,7 +30,7 @@ async fn serve_grpc<St: Store>(layer: RateLimitLayer<St>) -> SocketAddr {
     tokio::spawn(async move {
         tonic::transport::Server::builder()
             .layer(layer)
-            .add_service(Greeter)
+            .add_service(greeter())
             .serve_with_incoming(TcpIncoming::from(listener))
             .await
             .unwrap();
@@ -131,4 +131,31 @@ async fn per_api_key_metadata() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted);
+}
+
+/// The service's code in `tests/support/demo.rs` is what tonic-prost-build generates from
+/// `tests/proto/greeter.proto` (compiled by protox, so no `protoc`). `TOLLGATE_BLESS=1`
+/// rewrites it.
+#[test]
+fn generated_code_is_current() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests");
+    let descriptors = protox::compile([root.join("proto/greeter.proto")], [root.join("proto")])
+        .unwrap_or_else(|e| panic!("greeter.proto: {e}"));
+    let out = std::env::temp_dir().join(format!("tollgate-grpc-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    tonic_prost_build::configure()
+        .out_dir(&out)
+        .compile_fds(descriptors)
+        .unwrap();
+    let generated = std::fs::read_to_string(out.join("demo.rs")).unwrap();
+    let _ = std::fs::remove_dir_all(&out);
+    let committed_path = root.join("support/demo.rs");
+    if std::env::var_os("TOLLGATE_BLESS").is_some() {
+        std::fs::write(&committed_path, &generated).unwrap();
+    }
+    let committed = std::fs::read_to_string(&committed_path).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "tests/support/demo.rs is not what greeter.proto generates: rerun with TOLLGATE_BLESS=1"
+    );
 }
