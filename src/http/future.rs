@@ -415,7 +415,7 @@ impl<St: Store> Shared<St> {
     }
 
     /// The rate-limit fields of an admitted request.
-    #[inline]
+    #[inline(always)]
     fn fields(&self, decision: &Decision, applied: &[Applied]) -> Option<FieldValues> {
         if self.profile == HeaderProfile::Off {
             return None;

@@ -106,7 +106,7 @@ impl FieldValues {
     }
 
     /// Writes the fields into a response's headers.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn apply(self, headers: &mut HeaderMap) {
         if let Some(v) = self.policy {
             headers.insert(RATELIMIT_POLICY, v);
@@ -135,7 +135,7 @@ fn unix_now() -> u64 {
 /// `RateLimit: "name";r=R;t=T` from its start `"name";r=`: the digits are formatted on the
 /// stack and the text written once into the value's own buffer (its only allocation), which
 /// the value then takes over without a copy.
-#[inline]
+#[inline(always)]
 fn status_value(item: &str, r: u64, t: u64) -> Option<HeaderValue> {
     let mut r_digits = itoa::Buffer::new();
     let r = r_digits.format(r).as_bytes();

@@ -49,7 +49,7 @@ impl Key {
     }
 
     /// Appends a string.
-    #[inline]
+    #[inline(always)]
     pub fn push_str(&mut self, s: &str) {
         match &mut self.repr {
             Repr::Inline(inline) => {

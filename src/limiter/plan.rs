@@ -292,7 +292,7 @@ impl CompiledRule {
         })
     }
 
-    #[inline]
+    #[inline(always)]
     fn matches(&self, parts: &Parts) -> bool {
         (self.methods.is_empty() || self.methods.contains(&parts.method))
             && self.route.matches(parts)
@@ -424,7 +424,7 @@ pub(crate) type Checks<'a> = SmallVec<[Check<'a>; 8]>;
 impl<St: Store> Limiter<St> {
     /// Plans the request and asks the store about its enforced rules: the decision is made
     /// here (for the in-process store, the future is ready).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn start(&self, parts: &Parts) -> Start<St::Future> {
         if self.single {
             return self.start_single(parts);
@@ -438,7 +438,7 @@ impl<St: Store> Limiter<St> {
 
     /// [`Limiter::start`] for the one simple rule of a `single` limiter: the same answers,
     /// without building a plan.
-    #[inline]
+    #[inline(always)]
     fn start_single(&self, parts: &Parts) -> Start<St::Future> {
         let Some(rule) = self.rules.first() else {
             return Start::Unchecked { shadow: None };
@@ -687,7 +687,7 @@ impl<St: Store> Limiter<St> {
 
 /// The key of rule `index` for a request, `rule:key` (`rule:` is the rule's `prefix`); `None`
 /// when the rule has no key for it and skips it.
-#[inline]
+#[inline(always)]
 fn rule_key(rule: &CompiledRule, index: u16, parts: &Parts) -> Result<Option<Key>, NoKey> {
     let mut key = Key::new();
     key.push_str(&rule.prefix);
@@ -704,7 +704,7 @@ fn rule_key(rule: &CompiledRule, index: u16, parts: &Parts) -> Result<Option<Key
 }
 
 /// A rule's store key, hashed when longer than [`MAX_KEY_LEN`].
-#[inline]
+#[inline(always)]
 fn bounded(rule: &CompiledRule, key: Key) -> Key {
     if key.len() <= MAX_KEY_LEN {
         return key;
