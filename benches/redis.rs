@@ -51,27 +51,35 @@ fn cpu_time_us() -> f64 {
     (ticks(11) + ticks(12)) * 10_000.0
 }
 
-async fn load(store: &RedisStore, policy: &Policy, callers: usize, spread: bool) -> Figures {
+/// Runs `callers` tasks for [`RUN`], each calling `op` again and again with its next key (one
+/// hot key, or one of [`KEYS`] at random, named by `name`; made before the clock starts), and
+/// sums up their latencies and this process's CPU.
+async fn drive<F, Fut>(
+    callers: u64,
+    spread: bool,
+    name: fn(Option<u64>) -> String,
+    op: F,
+) -> Figures
+where
+    F: Fn(String) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let clock = Arc::new(SystemClock::new());
     let cpu = cpu_time_us();
     let end = clock.now() + RUN.as_nanos() as u64;
     let tasks: Vec<_> = (0..callers)
         .map(|c| {
-            let (store, policy, clock) = (store.clone(), policy.clone(), clock.clone());
+            let (op, clock) = (op.clone(), clock.clone());
             tokio::spawn(async move {
                 let mut lat = Vec::with_capacity(200_000);
-                let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ c as u64;
+                let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ c;
                 while clock.now() < end {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
-                    let key = if spread {
-                        format!("k{}", x % KEYS)
-                    } else {
-                        "hot".to_owned()
-                    };
+                    let key = name(spread.then_some(x % KEYS));
                     let t = clock.now();
-                    store.check(&key, &policy, 1).await.expect("check");
+                    op(key).await;
                     lat.push(clock.now() - t);
                 }
                 lat
@@ -90,6 +98,18 @@ async fn load(store: &RedisStore, policy: &Policy, callers: usize, spread: bool)
         p99_us: pct(0.99),
         cpu_us: (cpu_time_us() - cpu) / lat.len() as f64,
     }
+}
+
+async fn load(store: &RedisStore, policy: &Policy, callers: usize, spread: bool) -> Figures {
+    let (store, policy) = (store.clone(), policy.clone());
+    let name = |n: Option<u64>| n.map_or_else(|| "hot".to_owned(), |n| format!("k{n}"));
+    drive(callers as u64, spread, name, move |key| {
+        let (store, policy) = (store.clone(), policy.clone());
+        async move {
+            store.check(&key, &policy, 1).await.expect("check");
+        }
+    })
+    .await
 }
 
 /// The same script through fred alone (a pool of the same size, 64 tasks, fixed arguments):
@@ -118,49 +138,21 @@ async fn fred_alone(
         policy.window().as_nanos().to_string(),
         String::new(),
     ];
-    let clock = Arc::new(SystemClock::new());
-    let cpu = cpu_time_us();
-    let end = clock.now() + RUN.as_nanos() as u64;
-    let tasks: Vec<_> = (0..64u64)
-        .map(|c| {
-            let (pool, clock, sha, args) =
-                (pool.clone(), clock.clone(), sha.to_owned(), args.clone());
-            tokio::spawn(async move {
-                let mut lat = Vec::with_capacity(200_000);
-                let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ c;
-                while clock.now() < end {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let key = if spread {
-                        format!("fred:{{{}}}", x % KEYS)
-                    } else {
-                        "fred:{hot}".to_owned()
-                    };
-                    let t = clock.now();
-                    let _: Vec<i64> = pool
-                        .evalsha(sha.as_str(), key, args.clone())
-                        .await
-                        .expect("evalsha");
-                    lat.push(clock.now() - t);
-                }
-                lat
-            })
-        })
-        .collect();
-    let mut lat = Vec::new();
-    for t in tasks {
-        lat.extend(t.await.expect("task"));
-    }
+    let (caller_pool, sha) = (pool.clone(), sha.to_owned());
+    let name =
+        |n: Option<u64>| n.map_or_else(|| "fred:{hot}".to_owned(), |n| format!("fred:{{{n}}}"));
+    let figures = drive(64, spread, name, move |key| {
+        let (pool, sha, args) = (caller_pool.clone(), sha.clone(), args.clone());
+        async move {
+            let _: Vec<i64> = pool
+                .evalsha(sha.as_str(), key, args)
+                .await
+                .expect("evalsha");
+        }
+    })
+    .await;
     let _ = pool.quit().await;
-    lat.sort_unstable();
-    let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)] as f64 / 1000.0;
-    Figures {
-        per_sec: lat.len() as f64 / RUN.as_secs_f64(),
-        p50_us: pct(0.50),
-        p99_us: pct(0.99),
-        cpu_us: (cpu_time_us() - cpu) / lat.len() as f64,
-    }
+    figures
 }
 
 /// `redis-benchmark` EVALSHA of the check script, 64 clients, pipeline 16.
