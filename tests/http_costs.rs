@@ -8,7 +8,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::{get, post};
 use http::{Method, StatusCode};
-use support::{Client, serve, store};
+use support::{Client, ok_client, serve, store};
 use tollgate::key::PeerIp;
 use tollgate::limiter::Rule;
 use tollgate::{Policy, Rate, RateLimitLayer};
@@ -98,10 +98,7 @@ async fn costs_from_a_closure_over_the_request() {
         )
         .build()
         .unwrap();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(layer);
-    let client = Client::new(serve(app).await);
+    let client = ok_client(layer).await;
 
     let a = client.get_with("/", &[("x-items", "30")]).await;
     assert_eq!(a.ratelimit(), ("units".into(), 70, 60));

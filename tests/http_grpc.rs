@@ -24,6 +24,18 @@ fn tonic_peer() -> impl KeyExtractor {
     }
 }
 
+/// Two calls per second per peer, bursts of two.
+fn calls<St: Store>(store: St) -> RateLimitLayer<St> {
+    RateLimitLayer::builder(store)
+        .rule(
+            Rule::new("calls")
+                .key(tonic_peer())
+                .policy(Policy::gcra(Rate::per_second(2), 2).unwrap()),
+        )
+        .build()
+        .unwrap()
+}
+
 async fn serve_grpc<St: Store>(layer: RateLimitLayer<St>) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -41,14 +53,7 @@ async fn serve_grpc<St: Store>(layer: RateLimitLayer<St>) -> SocketAddr {
 #[tokio::test]
 async fn a_limit_is_resource_exhausted_with_pushback() {
     let (store, clock) = store();
-    let layer = RateLimitLayer::builder(store)
-        .rule(
-            Rule::new("calls")
-                .key(tonic_peer())
-                .policy(Policy::gcra(Rate::per_second(2), 2).unwrap()),
-        )
-        .build()
-        .unwrap();
+    let layer = calls(store);
     let channel = channel(serve_grpc(layer).await).await;
 
     let reply = say_hello(channel.clone(), "ada", &[]).await.unwrap();
@@ -83,14 +88,7 @@ async fn a_limit_is_resource_exhausted_with_pushback() {
 
 #[tokio::test]
 async fn a_failing_store_is_unavailable() {
-    let layer = RateLimitLayer::builder(DownStore)
-        .rule(
-            Rule::new("calls")
-                .key(tonic_peer())
-                .policy(Policy::gcra(Rate::per_second(2), 2).unwrap()),
-        )
-        .build()
-        .unwrap();
+    let layer = calls(DownStore);
     let channel = channel(serve_grpc(layer).await).await;
     let status = say_hello(channel, "ada", &[]).await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable);

@@ -7,9 +7,8 @@ mod support;
 use std::time::Duration;
 
 use axum::Router;
-use axum::routing::get;
 use http::StatusCode;
-use support::{Client, serve, store};
+use support::{Client, ok_app, serve, store};
 use tollgate::key::{Forwarded, PeerIp};
 use tollgate::limiter::Rule;
 use tollgate::{Policy, RateLimitLayer};
@@ -24,9 +23,7 @@ fn limited_app(key: impl tollgate::key::KeyExtractor, limit: u64) -> Router {
         )
         .build()
         .unwrap();
-    Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(layer)
+    ok_app(layer)
 }
 
 #[tokio::test]

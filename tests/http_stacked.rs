@@ -5,10 +5,8 @@ mod support;
 
 use std::time::Duration;
 
-use axum::Router;
-use axum::routing::get;
 use http::StatusCode;
-use support::{Client, serve, store};
+use support::{ok_client, store};
 use tollgate::key::{Global, Header};
 use tollgate::limiter::Rule;
 use tollgate::{Check, Policy, RateLimitLayer};
@@ -34,10 +32,7 @@ async fn stacked_rules_consume_nothing_on_refusal() {
         .rule(Rule::new("global").key(Global).policy(window(100)))
         .build()
         .unwrap();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(layer);
-    let client = Client::new(serve(app).await);
+    let client = ok_client(layer).await;
     let get = |user: &'static str| {
         let client = client.clone();
         async move {

@@ -8,10 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use axum::Router;
-use axum::routing::get;
 use http::StatusCode;
-use support::{Client, serve, store};
+use support::{ok_client, store};
 use tokio::sync::{Semaphore, mpsc};
 use tollgate::key::Header;
 use tollgate::limiter::{MissingKey, Rule, Tiers};
@@ -68,10 +66,7 @@ async fn a_slow_resolver_is_cached_and_tiers_pick_the_policies() {
         )
         .build()
         .unwrap();
-    let app = Router::new()
-        .route("/", get(|| async { "ok" }))
-        .layer(layer);
-    let client = Client::new(serve(app).await);
+    let client = ok_client(layer).await;
     let get = |key: &'static str| {
         let client = client.clone();
         async move { client.get_with("/", &[("x-api-key", key)]).await }

@@ -16,6 +16,18 @@ use tollgate::clock::ManualClock;
 use tollgate::store::BoxError;
 use tollgate::{Check, Decision, MemoryStore, Store, StoreError};
 
+/// A router answering "ok" on `/`, behind `layer`.
+pub fn ok_app<St: Store>(layer: tollgate::RateLimitLayer<St>) -> Router {
+    Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(layer)
+}
+
+/// A client of [`ok_app`] served on a free loopback port.
+pub async fn ok_client<St: Store>(layer: tollgate::RateLimitLayer<St>) -> Client {
+    Client::new(serve(ok_app(layer)).await)
+}
+
 /// Serves `app` on 127.0.0.1 (a free port), with `ConnectInfo<SocketAddr>`.
 pub async fn serve(app: Router) -> SocketAddr {
     serve_on("127.0.0.1:0", app).await
