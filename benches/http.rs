@@ -9,31 +9,19 @@
 //! ```
 #![allow(missing_docs)]
 
+mod apps;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::Router;
+use apps::{governor, hello, limited};
 use axum::body::Body;
 use axum::extract::ConnectInfo;
-use axum::routing::get;
 use criterion::{Criterion, criterion_group};
-use governor::clock::QuantaInstant;
-use governor::middleware::NoOpMiddleware;
 use http::{Request, StatusCode};
 use tollgate::http::HeaderProfile;
-use tollgate::key::PeerIp;
-use tollgate::limiter::Rule;
-use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
 use tower::{Service, ServiceBuilder, ServiceExt};
-use tower_governor::GovernorLayer;
-use tower_governor::governor::GovernorConfigBuilder;
-use tower_governor::key_extractor::PeerIpKeyExtractor;
-
-fn hello() -> Router {
-    Router::new().route("/", get(|| async { "Hello, World!" }))
-}
 
 /// The peer every request comes from. The caller puts it into each request's extensions, as
 /// `into_make_service_with_connect_info` does on a real server, so no app pays for a layer
@@ -42,28 +30,6 @@ const PEER: SocketAddr = SocketAddr::new(
     std::net::IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 7)),
     51000,
 );
-
-fn layer(profile: HeaderProfile, decision_extension: bool) -> RateLimitLayer<MemoryStore> {
-    // 10^9 per second with a burst of 10^9: nobody reaches it.
-    let policy = Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)
-        .and_then(|p| p.named("per-ip"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    RateLimitLayer::builder(MemoryStore::new())
-        .rule(Rule::new("per-ip").key(PeerIp::new()).policy(policy))
-        .headers(profile)
-        .decision_extension(decision_extension)
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn governor_layer() -> GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware<QuantaInstant>, Body> {
-    let config = GovernorConfigBuilder::default()
-        .per_nanosecond(1)
-        .burst_size(u32::MAX)
-        .finish()
-        .unwrap_or_else(|| panic!("governor config"));
-    GovernorLayer::new(Arc::new(config))
-}
 
 fn request() -> Request<Body> {
     let mut request = Request::get("/").body(Body::empty()).unwrap_or_default();
@@ -133,32 +99,32 @@ fn apps() -> Vec<(&'static str, Box<dyn App>)> {
         ("axum + a no-op layer", app(hello().layer(noop))),
         (
             "tollgate",
-            app(hello().layer(layer(HeaderProfile::Ietf, true))),
+            app(hello().layer(limited(HeaderProfile::Ietf, true))),
         ),
         (
             "tollgate, no decision ext.",
-            app(hello().layer(layer(HeaderProfile::Ietf, false))),
+            app(hello().layer(limited(HeaderProfile::Ietf, false))),
         ),
         (
             "tollgate, no fields/ext.",
-            app(hello().layer(layer(HeaderProfile::Off, false))),
+            app(hello().layer(limited(HeaderProfile::Off, false))),
         ),
-        ("tower_governor", app(hello().layer(governor_layer()))),
+        ("tower_governor", app(hello().layer(governor()))),
         (
             "tollgate around router",
-            app(around(layer(HeaderProfile::Ietf, true))),
+            app(around(limited(HeaderProfile::Ietf, true))),
         ),
         (
             "tower_governor around rtr",
             app(ServiceBuilder::new()
-                .layer(governor_layer())
+                .layer(governor())
                 .service(hello().into_service::<Body>())),
         ),
         ("trivial service", app(trivial())),
         (
             "trivial + tollgate",
             app(ServiceBuilder::new()
-                .layer(layer(HeaderProfile::Ietf, true))
+                .layer(limited(HeaderProfile::Ietf, true))
                 .service(trivial())),
         ),
     ]

@@ -12,57 +12,24 @@
 //! side has a core. Every run is bounded: `ROUNDS` x 6 servers x `SECONDS` seconds.
 #![allow(missing_docs)]
 
+mod apps;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::process::Command;
-use std::sync::Arc;
 
+use apps::{governor, hello, limited};
+use axum::Extension;
 use axum::extract::{ConnectInfo, Request};
 use axum::response::Response;
-use axum::routing::get;
 use axum::serve::IncomingStream;
-use axum::{Extension, Router};
-use governor::clock::QuantaInstant;
-use governor::middleware::NoOpMiddleware;
 use tokio::net::TcpListener;
 use tollgate::http::HeaderProfile;
-use tollgate::key::PeerIp;
-use tollgate::limiter::Rule;
-use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
 use tower::{Layer, Service, ServiceBuilder};
-use tower_governor::GovernorLayer;
-use tower_governor::governor::GovernorConfigBuilder;
-use tower_governor::key_extractor::PeerIpKeyExtractor;
 
 const ROUNDS: usize = 7;
 const SECONDS: u32 = 3;
 const CONNECTIONS: u32 = 32;
-
-fn hello() -> Router {
-    Router::new().route("/", get(|| async { "Hello, World!" }))
-}
-
-fn layer(profile: HeaderProfile) -> RateLimitLayer<MemoryStore> {
-    // A limit nobody reaches, so every request is admitted (and carries the fields).
-    let policy = Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)
-        .and_then(|p| p.named("per-ip"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    RateLimitLayer::builder(MemoryStore::new())
-        .rule(Rule::new("per-ip").key(PeerIp::new()).policy(policy))
-        .headers(profile)
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn governor_layer()
--> GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware<QuantaInstant>, axum::body::Body> {
-    let config = GovernorConfigBuilder::default()
-        .per_nanosecond(1)
-        .burst_size(u32::MAX)
-        .finish()
-        .unwrap_or_else(|| panic!("governor config"));
-    GovernorLayer::new(Arc::new(config))
-}
 
 /// Serves `service` as `into_make_service_with_connect_info` serves a router: each connection
 /// gets a clone that puts the peer address into every request.
@@ -153,21 +120,18 @@ fn main() {
             ("bare axum", spawn(hello()).await),
             (
                 "tollgate",
-                spawn(hello().layer(layer(HeaderProfile::Ietf))).await,
+                spawn(hello().layer(limited(HeaderProfile::Ietf, true))).await,
             ),
             (
                 "tollgate, no fields",
-                spawn(hello().layer(layer(HeaderProfile::Off))).await,
+                spawn(hello().layer(limited(HeaderProfile::Off, true))).await,
             ),
-            (
-                "tower_governor",
-                spawn(hello().layer(governor_layer())).await,
-            ),
+            ("tower_governor", spawn(hello().layer(governor())).await),
             (
                 "tollgate around",
                 spawn(
                     ServiceBuilder::new()
-                        .layer(layer(HeaderProfile::Ietf))
+                        .layer(limited(HeaderProfile::Ietf, true))
                         .service(hello()),
                 )
                 .await,
@@ -176,7 +140,7 @@ fn main() {
                 "tower_governor around",
                 spawn(
                     ServiceBuilder::new()
-                        .layer(governor_layer())
+                        .layer(governor())
                         .service(hello().into_service()),
                 )
                 .await,

@@ -1,0 +1,48 @@
+//! The apps both HTTP benchmarks measure: a hello-world router, tollgate's layer with a limit
+//! nobody reaches, and tower_governor's layer configured alike.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::routing::get;
+use governor::clock::QuantaInstant;
+use governor::middleware::NoOpMiddleware;
+use tollgate::http::HeaderProfile;
+use tollgate::key::PeerIp;
+use tollgate::limiter::Rule;
+use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::PeerIpKeyExtractor;
+
+pub(crate) fn hello() -> Router {
+    Router::new().route("/", get(|| async { "Hello, World!" }))
+}
+
+/// Per IP, 10^9 per second with a burst of 10^9: nobody reaches it, so every request is
+/// admitted (and carries the fields of `profile`).
+pub(crate) fn limited(
+    profile: HeaderProfile,
+    decision_extension: bool,
+) -> RateLimitLayer<MemoryStore> {
+    let policy = Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)
+        .and_then(|p| p.named("per-ip"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    RateLimitLayer::builder(MemoryStore::new())
+        .rule(Rule::new("per-ip").key(PeerIp::new()).policy(policy))
+        .headers(profile)
+        .decision_extension(decision_extension)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// tower_governor's per-IP layer, one request per nanosecond with a burst of 2^32 - 1.
+pub(crate) fn governor() -> GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware<QuantaInstant>, Body> {
+    let config = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(u32::MAX)
+        .finish()
+        .unwrap_or_else(|| panic!("governor config"));
+    GovernorLayer::new(Arc::new(config))
+}
