@@ -91,6 +91,18 @@ fn request(polled: &Arc<AtomicBool>) -> Request<Watched> {
     r
 }
 
+/// One request through `service`, once it is ready.
+async fn send<S>(service: &mut S, polled: &Arc<AtomicBool>) -> S::Response
+where
+    S: Service<Request<Watched>>,
+    S::Error: std::fmt::Debug,
+{
+    let ready = ServiceExt::<Request<Watched>>::ready(service)
+        .await
+        .unwrap();
+    ready.call(request(polled)).await.unwrap()
+}
+
 #[test]
 fn services_and_futures_are_send_sync_clone() {
     fn clone_send_sync<T: Clone + Send + Sync + 'static>() {}
@@ -123,12 +135,7 @@ async fn readiness_is_forwarded_and_the_ready_instance_is_called() {
         StatusCode::OK,
         StatusCode::TOO_MANY_REQUESTS,
     ] {
-        let response = ServiceExt::<Request<Watched>>::ready(&mut service)
-            .await
-            .unwrap()
-            .call(request(&polled))
-            .await
-            .unwrap();
+        let response = send(&mut service, &polled).await;
         assert_eq!(response.status(), expected);
     }
     assert_eq!(
@@ -195,12 +202,7 @@ async fn a_store_that_answers_later_gets_the_ready_instance_and_the_same_answers
     let polled = Arc::new(AtomicBool::new(false));
     let mut answers = Vec::new();
     for _ in 0..3 {
-        let response = ServiceExt::<Request<Watched>>::ready(&mut service)
-            .await
-            .unwrap()
-            .call(request(&polled))
-            .await
-            .unwrap();
+        let response = send(&mut service, &polled).await;
         answers.push((
             response.status(),
             response.headers().get("ratelimit").cloned(),
