@@ -15,7 +15,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use apps::{governor, hello, limited};
+use apps::{governor, hello, limited, static_fields};
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use criterion::{Criterion, criterion_group};
@@ -31,9 +31,17 @@ const PEER: SocketAddr = SocketAddr::new(
     51000,
 );
 
-fn request() -> Request<Body> {
+/// An IPv6 peer, for the row that shows what an IPv6 client's key costs.
+const PEER6: SocketAddr = SocketAddr::new(
+    std::net::IpAddr::V6(std::net::Ipv6Addr::new(
+        0x2001, 0xdb8, 0x85a3, 0x8d3, 0x1319, 0x8a2e, 0x370, 0x7348,
+    )),
+    51000,
+);
+
+fn request(peer: SocketAddr) -> Request<Body> {
     let mut request = Request::get("/").body(Body::empty()).unwrap_or_default();
-    request.extensions_mut().insert(ConnectInfo(PEER));
+    request.extensions_mut().insert(ConnectInfo(peer));
     request
 }
 
@@ -56,7 +64,8 @@ trait App {
     fn status(&self, runtime: &tokio::runtime::Runtime) -> Option<StatusCode>;
 }
 
-struct Svc<S>(S);
+/// A service and the peer its requests come from.
+struct Svc<S>(S, SocketAddr);
 
 impl<S, B> App for Svc<S>
 where
@@ -68,7 +77,7 @@ where
             #[allow(clippy::disallowed_methods)]
             let start = Instant::now();
             for _ in 0..n {
-                let response = self.0.clone().oneshot(request()).await;
+                let response = self.0.clone().oneshot(request(self.1)).await;
                 let _ = std::hint::black_box(response.map(|r| r.status()));
             }
             start.elapsed()
@@ -77,7 +86,7 @@ where
 
     fn status(&self, runtime: &tokio::runtime::Runtime) -> Option<StatusCode> {
         runtime
-            .block_on(self.0.clone().oneshot(request()))
+            .block_on(self.0.clone().oneshot(request(self.1)))
             .ok()
             .map(|r| r.status())
     }
@@ -87,7 +96,14 @@ fn app<S, B>(service: S) -> Box<dyn App>
 where
     S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible> + Clone + 'static,
 {
-    Box::new(Svc(service))
+    Box::new(Svc(service, PEER))
+}
+
+fn app6<S, B>(service: S) -> Box<dyn App>
+where
+    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible> + Clone + 'static,
+{
+    Box::new(Svc(service, PEER6))
 }
 
 /// The apps, in the order of the tables in BENCHMARKS.md; `HTTP_BENCH_ONLY` takes an index.
@@ -119,6 +135,16 @@ fn apps() -> Vec<(&'static str, Box<dyn App>)> {
             app(ServiceBuilder::new()
                 .layer(governor())
                 .service(hello().into_service::<Body>())),
+        ),
+        (
+            "static fields around rtr",
+            app(ServiceBuilder::new()
+                .map_response(static_fields)
+                .service(hello().into_service::<Body>())),
+        ),
+        (
+            "tollgate around, IPv6 peer",
+            app6(around(limited(HeaderProfile::Ietf, true))),
         ),
         ("trivial service", app(trivial())),
         (

@@ -1,7 +1,8 @@
 //! Loopback load: hello-world axum servers (bare; with tollgate's layer, with it but no
 //! rate-limit fields, with tower_governor's `GovernorLayer`, each under `Router::layer`; and
-//! both layers wrapped around the whole router) driven by `wrk` in the same run, in
-//! alternation, for requests per second and the 99th percentile latency.
+//! both layers wrapped around the whole router; and a layer that only inserts the two IETF
+//! fields with values made once, the floor of any layer that sends them) driven by `wrk` in the
+//! same run, in alternation, for requests per second and the 99th percentile latency.
 //!
 //! ```sh
 //! apt-get install -y wrk          # Debian's wrk
@@ -9,7 +10,7 @@
 //! ```
 //!
 //! The servers share one tokio worker thread, wrk gets one thread: on a two-core machine each
-//! side has a core. Every run is bounded: `ROUNDS` x 6 servers x `SECONDS` seconds.
+//! side has a core. Every run is bounded: `ROUNDS` x 7 servers x `SECONDS` seconds.
 #![allow(missing_docs)]
 
 mod apps;
@@ -18,7 +19,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::process::Command;
 
-use apps::{governor, hello, limited};
+use apps::{governor, hello, limited, static_fields};
 use axum::Extension;
 use axum::extract::{ConnectInfo, Request};
 use axum::response::Response;
@@ -141,6 +142,15 @@ fn main() {
                 spawn(
                     ServiceBuilder::new()
                         .layer(governor())
+                        .service(hello().into_service()),
+                )
+                .await,
+            ),
+            (
+                "static fields around",
+                spawn(
+                    ServiceBuilder::new()
+                        .map_response(static_fields)
                         .service(hello().into_service()),
                 )
                 .await,

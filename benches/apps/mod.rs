@@ -1,5 +1,6 @@
 //! The apps both HTTP benchmarks measure: a hello-world router, tollgate's layer with a limit
-//! nobody reaches, and tower_governor's layer configured alike.
+//! nobody reaches, tower_governor's layer configured alike, and the floor of any layer that
+//! sends the IETF fields (the two fields with values made once).
 
 use std::sync::Arc;
 
@@ -45,4 +46,22 @@ pub(crate) fn governor() -> GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware<Qua
         .finish()
         .unwrap_or_else(|| panic!("governor config"));
     GovernorLayer::new(Arc::new(config))
+}
+
+/// What any layer that sends the IETF fields pays at least: the two fields, with values made
+/// once, inserted into the response (the http crate hashes a custom name on every insert).
+pub(crate) fn static_fields<B>(mut response: http::Response<B>) -> http::Response<B> {
+    use http::{HeaderName, HeaderValue};
+    const POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+    const STATUS: HeaderName = HeaderName::from_static("ratelimit");
+    let headers = response.headers_mut();
+    headers.insert(
+        POLICY,
+        HeaderValue::from_static("\"per-ip\";q=1000000000;w=1"),
+    );
+    headers.insert(
+        STATUS,
+        HeaderValue::from_static("\"per-ip\";r=999999999;t=0"),
+    );
+    response
 }
