@@ -59,7 +59,7 @@ type Trivial = tower::util::ServiceFn<
 
 /// One app under test: `n` requests through a fresh clone each (as a server does per
 /// connection), timed.
-trait App {
+trait App: Send + Sync {
     fn run(&self, runtime: &tokio::runtime::Runtime, n: u64) -> Duration;
     fn status(&self, runtime: &tokio::runtime::Runtime) -> Option<StatusCode>;
 }
@@ -69,7 +69,10 @@ struct Svc<S>(S, SocketAddr);
 
 impl<S, B> App for Svc<S>
 where
-    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible> + Clone,
+    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync,
 {
     fn run(&self, runtime: &tokio::runtime::Runtime, n: u64) -> Duration {
         runtime.block_on(async {
@@ -94,14 +97,22 @@ where
 
 fn app<S, B>(service: S) -> Box<dyn App>
 where
-    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible> + Clone + 'static,
+    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
 {
     Box::new(Svc(service, PEER))
 }
 
 fn app6<S, B>(service: S) -> Box<dyn App>
 where
-    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible> + Clone + 'static,
+    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
 {
     Box::new(Svc(service, PEER6))
 }
@@ -179,16 +190,30 @@ fn bench(c: &mut Criterion) {
 }
 
 /// The same apps in alternation, round after round, so that a neighbour's load hits all of
-/// them alike: the median per request of each, and its difference to bare axum.
+/// them alike: the median per request of each, and its difference to bare axum. With
+/// `HTTP_BENCH_THREADS=n`, n threads (each with its own runtime) drive one app at once, as
+/// the worker threads of a server do: what shared state costs when cores contend for it.
 fn interleaved() {
     const ROUNDS: usize = 31;
     const PER_ROUND: u64 = 20_000;
-    let runtime = runtime();
+    let threads: usize = std::env::var("HTTP_BENCH_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(1)
+        .max(1);
     let apps = apps();
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); apps.len()];
     for _ in 0..ROUNDS {
         for (i, (_, app)) in apps.iter().enumerate() {
-            let took = app.run(&runtime, PER_ROUND);
+            let took = std::thread::scope(|scope| {
+                let runs: Vec<_> = (0..threads)
+                    .map(|_| scope.spawn(|| app.run(&runtime(), PER_ROUND)))
+                    .collect();
+                runs.into_iter()
+                    .filter_map(|run| run.join().ok())
+                    .max()
+                    .unwrap_or_default()
+            });
             samples[i].push(took.as_nanos() as f64 / PER_ROUND as f64);
         }
     }
@@ -199,7 +224,9 @@ fn interleaved() {
             s[s.len() / 2]
         })
         .collect();
-    println!("\ninterleaved medians ({ROUNDS} rounds of {PER_ROUND} requests each):");
+    println!(
+        "\ninterleaved medians ({ROUNDS} rounds of {PER_ROUND} requests each, on {threads} thread(s) at once):"
+    );
     for ((name, _), median) in apps.iter().zip(&medians) {
         println!(
             "  {name:<26} {median:>7.0} ns/request  {:>+6.0} ns vs bare",
@@ -227,7 +254,8 @@ fn main() {
         }
         return;
     }
-    // `HTTP_BENCH_INTERLEAVED=1`: the interleaved medians alone (a few seconds).
+    // `HTTP_BENCH_INTERLEAVED=1`: the interleaved medians alone (a few seconds);
+    // `HTTP_BENCH_THREADS=2` as well: two threads drive each app at once.
     if std::env::var_os("HTTP_BENCH_INTERLEAVED").is_some() {
         interleaved();
         return;
