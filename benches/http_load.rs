@@ -28,6 +28,7 @@ use tokio::net::TcpListener;
 use tollgate::http::HeaderProfile;
 use tower::{Layer, Service, ServiceBuilder};
 
+/// Rounds, unless `HTTP_LOAD_ROUNDS` says otherwise (at most 50).
 const ROUNDS: usize = 7;
 const SECONDS: u32 = 3;
 const CONNECTIONS: u32 = 32;
@@ -100,7 +101,7 @@ fn micros(value: &str) -> Option<f64> {
 
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn main() {
@@ -157,14 +158,29 @@ fn main() {
             ),
         ]
     });
+    let rounds = std::env::var("HTTP_LOAD_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(ROUNDS)
+        .clamp(1, 50);
     let mut results: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); servers.len()];
-    for round in 1..=ROUNDS {
+    // Each server's share of the bare server's rate in the same round: the host's load drifts
+    // from round to round, and a round's servers run within seconds of each other.
+    let mut shares: Vec<Vec<f64>> = vec![Vec::new(); servers.len()];
+    for round in 1..=rounds {
+        let mut bare = None;
         for (i, (name, addr)) in servers.iter().enumerate() {
             match wrk(*addr) {
                 Some((rps, p99)) => {
                     println!("round {round}: {name:<22} {rps:>9.0} req/s  p99 {p99:>7.0} us");
                     results[i].0.push(rps);
                     results[i].1.push(p99);
+                    if i == 0 {
+                        bare = Some(rps);
+                    }
+                    if let Some(bare) = bare {
+                        shares[i].push(rps / bare);
+                    }
                 }
                 None => println!("round {round}: {name}: wrk gave no figures"),
             }
@@ -174,16 +190,18 @@ fn main() {
         return;
     };
     println!(
-        "\nmedians of {ROUNDS} rounds (wrk -t1 -c{CONNECTIONS} -d{SECONDS}s, server on one worker thread):"
+        "\nmedians of {rounds} rounds (wrk -t1 -c{CONNECTIONS} -d{SECONDS}s, server on one worker thread):"
     );
-    for ((name, _), (rps, p99)) in servers.iter().zip(results.iter_mut()) {
+    for (((name, _), (rps, p99)), shares) in servers.iter().zip(results.iter_mut()).zip(&mut shares)
+    {
         if rps.is_empty() {
             continue;
         }
         let (rps, p99) = (median(rps), median(p99));
         println!(
-            "  {name:<22} {rps:>9.0} req/s ({:.3}x bare)  p99 {p99:>6.0} us",
-            rps / bare_rps
+            "  {name:<22} {rps:>9.0} req/s ({:.3}x bare)  p99 {p99:>6.0} us  share of bare in the same round {:.3}x",
+            rps / bare_rps,
+            median(shares),
         );
     }
 }
