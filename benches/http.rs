@@ -201,7 +201,19 @@ fn interleaved() {
         .and_then(|t| t.parse().ok())
         .unwrap_or(1)
         .max(1);
-    let apps = apps();
+    // `HTTP_BENCH_APPS=0,6,11`: only these rows (the first one is the baseline).
+    let mut apps = apps();
+    if let Ok(only) = std::env::var("HTTP_BENCH_APPS") {
+        let keep: Vec<usize> = only
+            .split(',')
+            .filter_map(|i| i.trim().parse().ok())
+            .collect();
+        let mut all: Vec<_> = apps.into_iter().map(Some).collect();
+        apps = keep
+            .iter()
+            .filter_map(|&i| all.get_mut(i)?.take())
+            .collect();
+    }
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); apps.len()];
     for _ in 0..ROUNDS {
         for (i, (_, app)) in apps.iter().enumerate() {
@@ -229,7 +241,7 @@ fn interleaved() {
     );
     for ((name, _), median) in apps.iter().zip(&medians) {
         println!(
-            "  {name:<26} {median:>7.0} ns/request  {:>+6.0} ns vs bare",
+            "  {name:<26} {median:>7.0} ns/request  {:>+6.0} ns vs the first row",
             median - medians[0]
         );
     }

@@ -149,3 +149,35 @@ async fn a_layer_around_the_whole_router_and_on_a_nested_router() {
         StatusCode::TOO_MANY_REQUESTS
     );
 }
+
+/// The recipe in the crate docs: the layer wrapped around the whole router (once per request,
+/// before routing) and served with `ConnectInfo`; the peer address keys the rule, every
+/// response carries the fields.
+#[tokio::test]
+async fn around_the_router() {
+    use axum::ServiceExt;
+    use axum::extract::Request;
+    use tower::Layer;
+
+    let (store, _clock) = store();
+    let layer = RateLimitLayer::builder(store)
+        .rule(Rule::new("per-ip").key(PeerIp::new()).policy(window(2)))
+        .build()
+        .unwrap();
+    let app = ServiceExt::<Request>::into_make_service_with_connect_info::<std::net::SocketAddr>(
+        layer.layer(routes()),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let client = Client::new(addr);
+
+    let first = client.get("/users/1").await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(first.policies().keys().collect::<Vec<_>>(), ["per-ip"]);
+    assert_eq!(first.ratelimit(), ("per-ip".to_string(), 1, 60));
+    assert_eq!(client.get("/users/2").await.status, StatusCode::OK);
+    let refused = client.get("/health").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.retry_after(), Some(60));
+}

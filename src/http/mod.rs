@@ -16,6 +16,34 @@
 //! body, and needs no `HandleErrorLayer`: a refusal is an `Ok` response. Responses keep the
 //! inner service's body type (see [`RefusalBody`]), so nothing is boxed again on the way out.
 //!
+//! **Where to put it.** Wrapped around the whole router (`ServiceBuilder::new().layer(limits)
+//! .service(router)`, or `limits.layer(router)`), the layer runs once per request, before
+//! routing. Under `Router::layer` axum wraps it around every route, boxed, and clones it for
+//! every request: that alone costs about 110 ns per request, even for a layer that does
+//! nothing (BENCHMARKS.md). Rules on axum route templates (`Rule::route`) need the layer
+//! inside the router (`Router::layer` or `Router::route_layer`), because `MatchedPath` exists
+//! only once the router has matched a route; rules on paths and prefixes work in both places.
+//!
+//! ```no_run
+//! use std::net::SocketAddr;
+//! use axum::{Router, ServiceExt, extract::Request, routing::get};
+//! use tower::Layer as _;
+//! use tollgate::{MemoryStore, Policy, RateLimitLayer, Rate, key::PeerIp, limiter::Rule};
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let limits = RateLimitLayer::builder(MemoryStore::new())
+//!     .rule(Rule::new("per-ip").key(PeerIp::new()).policy(Policy::gcra(Rate::per_second(10), 20)?))
+//!     .build()?;
+//! let router = Router::new().route("/", get(|| async { "hello" }));
+//! let app = limits.layer(router); // around the router: once per request
+//! let make = ServiceExt::<Request>::into_make_service_with_connect_info::<SocketAddr>(app);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, make).await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! ```
 //! use std::convert::Infallible;
 //! use std::net::SocketAddr;
