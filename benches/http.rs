@@ -103,10 +103,11 @@ where
         + Sync
         + 'static,
 {
-    Box::new(Svc(service, PEER))
+    app_for(PEER, service)
 }
 
-fn app6<S, B>(service: S) -> Box<dyn App>
+/// An app whose requests come from `peer`.
+fn app_for<S, B>(peer: SocketAddr, service: S) -> Box<dyn App>
 where
     S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible>
         + Clone
@@ -114,7 +115,7 @@ where
         + Sync
         + 'static,
 {
-    Box::new(Svc(service, PEER6))
+    Box::new(Svc(service, peer))
 }
 
 /// The apps, in the order of the tables in BENCHMARKS.md; `HTTP_BENCH_ONLY` takes an index.
@@ -155,7 +156,7 @@ fn apps() -> Vec<(&'static str, Box<dyn App>)> {
         ),
         (
             "tollgate around, IPv6 peer",
-            app6(around(limited(HeaderProfile::Ietf, true))),
+            app_for(PEER6, around(limited(HeaderProfile::Ietf, true))),
         ),
         ("trivial service", app(trivial())),
         (
@@ -190,7 +191,7 @@ fn bench(c: &mut Criterion) {
 }
 
 /// The same apps in alternation, round after round, so that a neighbour's load hits all of
-/// them alike: the median per request of each, and its difference to bare axum. With
+/// them alike: the median per request of each, and its difference to the first row. With
 /// `HTTP_BENCH_THREADS=n`, n threads (each with its own runtime) drive one app at once, as
 /// the worker threads of a server do: what shared state costs when cores contend for it.
 fn interleaved() {

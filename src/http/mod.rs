@@ -19,7 +19,7 @@
 //! **Where to put it.** Wrapped around the whole router (`ServiceBuilder::new().layer(limits)
 //! .service(router)`, or `limits.layer(router)`), the layer runs once per request, before
 //! routing. Under `Router::layer` axum wraps it around every route, boxed, and clones it for
-//! every request: that alone costs about 110 ns per request, even for a layer that does
+//! every request: that alone costs 110 to 130 ns per request, even for a layer that does
 //! nothing (BENCHMARKS.md). Rules on axum route templates (`Rule::route`) need the layer
 //! inside the router (`Router::layer` or `Router::route_layer`), because `MatchedPath` exists
 //! only once the router has matched a route; rules on paths and prefixes work in both places.
