@@ -158,6 +158,10 @@ fn apps() -> Vec<(&'static str, Box<dyn App>)> {
             "tollgate around, IPv6 peer",
             app_for(PEER6, around(limited(HeaderProfile::Ietf, true))),
         ),
+        (
+            "tollgate around, no f./ext.",
+            app(around(limited(HeaderProfile::Off, false))),
+        ),
         ("trivial service", app(trivial())),
         (
             "trivial + tollgate",
