@@ -60,7 +60,9 @@ type Trivial = tower::util::ServiceFn<
 /// One app under test: `n` requests through a fresh clone each (as a server does per
 /// connection), timed.
 trait App: Send + Sync {
-    fn run(&self, runtime: &tokio::runtime::Runtime, n: u64) -> Duration;
+    /// `n` requests from the app's peer, moved to another network by `client` (one per
+    /// thread, so that threads with distinct clients share only the layer, not a key).
+    fn run(&self, runtime: &tokio::runtime::Runtime, n: u64, client: u8) -> Duration;
     fn status(&self, runtime: &tokio::runtime::Runtime) -> Option<StatusCode>;
 }
 
@@ -74,13 +76,25 @@ where
         + Send
         + Sync,
 {
-    fn run(&self, runtime: &tokio::runtime::Runtime, n: u64) -> Duration {
+    fn run(&self, runtime: &tokio::runtime::Runtime, n: u64, client: u8) -> Duration {
+        let peer = match self.1.ip() {
+            std::net::IpAddr::V4(ip) => {
+                let [a, b, c, d] = ip.octets();
+                std::net::Ipv4Addr::new(a, b, c.wrapping_add(client), d).into()
+            }
+            std::net::IpAddr::V6(ip) => {
+                let mut groups = ip.segments();
+                groups[3] = groups[3].wrapping_add(u16::from(client));
+                std::net::Ipv6Addr::from(groups).into()
+            }
+        };
+        let peer = SocketAddr::new(peer, self.1.port());
         runtime.block_on(async {
             // Measurement, not limiting: the wall clock is what a benchmark reads.
             #[allow(clippy::disallowed_methods)]
             let start = Instant::now();
             for _ in 0..n {
-                let response = self.0.clone().oneshot(request(self.1)).await;
+                let response = self.0.clone().oneshot(request(peer)).await;
                 let _ = std::hint::black_box(response.map(|r| r.status()));
             }
             start.elapsed()
@@ -189,7 +203,9 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("http/in_process");
     group.measurement_time(Duration::from_secs(4));
     for (name, app) in &apps {
-        group.bench_function(*name, |b| b.iter_custom(|iters| app.run(&runtime, iters)));
+        group.bench_function(*name, |b| {
+            b.iter_custom(|iters| app.run(&runtime, iters, 0))
+        });
     }
     group.finish();
 }
@@ -206,6 +222,7 @@ fn interleaved() {
         .and_then(|t| t.parse().ok())
         .unwrap_or(1)
         .max(1);
+    let apart = std::env::var("HTTP_BENCH_CLIENTS").is_ok_and(|c| c == "apart");
     // `HTTP_BENCH_APPS=0,6,11`: only these rows (the first one is the baseline).
     let mut apps = apps();
     if let Ok(only) = std::env::var("HTTP_BENCH_APPS") {
@@ -224,7 +241,12 @@ fn interleaved() {
         for (i, (_, app)) in apps.iter().enumerate() {
             let took = std::thread::scope(|scope| {
                 let runs: Vec<_> = (0..threads)
-                    .map(|_| scope.spawn(|| app.run(&runtime(), PER_ROUND)))
+                    .map(|t| {
+                        // One client per thread with `HTTP_BENCH_CLIENTS=apart`, else one
+                        // client on every thread.
+                        let client = if apart { t as u8 } else { 0 };
+                        scope.spawn(move || app.run(&runtime(), PER_ROUND, client))
+                    })
                     .collect();
                 runs.into_iter()
                     .filter_map(|run| run.join().ok())
@@ -266,7 +288,7 @@ fn main() {
             return;
         };
         if let Some((name, app)) = apps.get(index) {
-            let took = app.run(&runtime(), n);
+            let took = app.run(&runtime(), n, 0);
             println!("{name}: {n} requests in {took:?}");
         }
         return;
