@@ -194,7 +194,7 @@ fn all_policies<St>(limiter: &Limiter<St>) -> Option<HeaderValue> {
         }
         joined.push_str(&rule.sets.first()?.field);
     }
-    HeaderValue::from_str(&joined).ok()
+    crate::limiter::field_value(&joined)
 }
 
 #[cfg(test)]

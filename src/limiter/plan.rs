@@ -220,6 +220,44 @@ pub(crate) struct CompiledRule {
 }
 
 /// The policies a rule applies (for one tier), with the names clients see.
+/// A `RateLimit-Policy` value, made when a layer is built and sent on every response.
+///
+/// Its text is kept for the life of the process (once per distinct text, up to
+/// [`MAX_INTERNED`] texts of at most [`MAX_INTERNED_LEN`] bytes), so that the value on each
+/// response is a static one: cloning and dropping it touch no reference count, which the
+/// cores serving requests would otherwise all write on every response. Building a layer again
+/// with the same policies reuses the texts; past the bounds, values are reference-counted.
+pub(crate) fn field_value(text: &str) -> Option<HeaderValue> {
+    use std::collections::HashSet;
+    use std::sync::{LazyLock, Mutex};
+    static INTERNED: LazyLock<Mutex<HashSet<&'static str>>> = LazyLock::new(Mutex::default);
+    let checked = HeaderValue::from_str(text).ok()?;
+    // `from_static` below takes visible ASCII only (and panics on anything else).
+    let visible = text.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b));
+    if !visible || text.len() > MAX_INTERNED_LEN {
+        return Some(checked);
+    }
+    let Ok(mut interned) = INTERNED.lock() else {
+        return Some(checked);
+    };
+    let text = match interned.get(text) {
+        Some(&text) => text,
+        None if interned.len() < MAX_INTERNED => {
+            let text: &'static str = Box::leak(text.into());
+            interned.insert(text);
+            text
+        }
+        None => return Some(checked),
+    };
+    Some(HeaderValue::from_static(text))
+}
+
+/// How many distinct `RateLimit-Policy` texts are kept for the life of the process.
+pub(crate) const MAX_INTERNED: usize = 4096;
+
+/// The longest `RateLimit-Policy` text kept for the life of the process.
+pub(crate) const MAX_INTERNED_LEN: usize = 1024;
+
 pub(crate) struct PolicySet {
     pub(crate) policies: Box<[Policy]>,
     /// The name of each policy in the `RateLimit` fields and problem details.
@@ -336,8 +374,8 @@ impl PolicySet {
             let window = policy.window().as_nanos().div_ceil(1_000_000_000).max(1);
             let _ = write!(field, "\"{name}\";q={};w={window}", policy.limit());
         }
-        let field_value = HeaderValue::from_str(&field)
-            .map_err(|_| LimiterError::InvalidRuleName(rule.chars().take(80).collect()))?;
+        let field_value = field_value(&field)
+            .ok_or_else(|| LimiterError::InvalidRuleName(rule.chars().take(80).collect()))?;
         let items = names.iter().map(|n| format!("\"{n}\";r=").into()).collect();
         Ok(PolicySet {
             policies: policies.into(),
@@ -775,6 +813,26 @@ mod tests {
 
     fn p(limit: u64) -> Policy {
         Policy::fixed_window(limit, Duration::from_secs(60)).unwrap()
+    }
+
+    #[test]
+    fn policy_field_values_are_kept_once_and_checked() {
+        let text = "\"interned-test\";q=10;w=60";
+        let a = field_value(text).unwrap();
+        let b = field_value(&String::from(text)).unwrap();
+        assert_eq!(a, text);
+        // The second value points at the text kept by the first.
+        assert_eq!(a.as_bytes().as_ptr(), b.as_bytes().as_ptr());
+        // Beyond what is kept: values as usual, each with its own bytes.
+        let long = format!("\"{}\";q=1;w=1", "x".repeat(MAX_INTERNED_LEN));
+        let (c, d) = (field_value(&long).unwrap(), field_value(&long).unwrap());
+        assert_eq!(c, long.as_str());
+        assert_ne!(c.as_bytes().as_ptr(), d.as_bytes().as_ptr());
+        // Bytes a header may carry but `from_static` refuses: no panic, a value as usual.
+        let obs = "\"caf\u{e9}\";q=1;w=1";
+        assert_eq!(field_value(obs).unwrap().as_bytes(), obs.as_bytes());
+        // Bytes no header may carry: none.
+        assert!(field_value("\"a\nb\";q=1;w=1").is_none());
     }
 
     #[test]
