@@ -219,7 +219,6 @@ pub(crate) struct CompiledRule {
     tiers: Option<TierLookup>,
 }
 
-/// The policies a rule applies (for one tier), with the names clients see.
 /// A `RateLimit-Policy` value, made when a layer is built and sent on every response.
 ///
 /// Its text is kept for the life of the process (once per distinct text, up to
@@ -233,7 +232,9 @@ pub(crate) fn field_value(text: &str) -> Option<HeaderValue> {
     static INTERNED: LazyLock<Mutex<HashSet<&'static str>>> = LazyLock::new(Mutex::default);
     let checked = HeaderValue::from_str(text).ok()?;
     // `from_static` below takes visible ASCII only (and panics on anything else).
-    let visible = text.bytes().all(|b| b == b'\t' || (b' '..=b'~').contains(&b));
+    let visible = text
+        .bytes()
+        .all(|b| b == b'\t' || (b' '..=b'~').contains(&b));
     if !visible || text.len() > MAX_INTERNED_LEN {
         return Some(checked);
     }
@@ -258,6 +259,7 @@ pub(crate) const MAX_INTERNED: usize = 4096;
 /// The longest `RateLimit-Policy` text kept for the life of the process.
 pub(crate) const MAX_INTERNED_LEN: usize = 1024;
 
+/// The policies a rule applies (for one tier), with the names clients see.
 pub(crate) struct PolicySet {
     pub(crate) policies: Box<[Policy]>,
     /// The name of each policy in the `RateLimit` fields and problem details.
