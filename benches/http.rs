@@ -57,8 +57,8 @@ type Trivial = tower::util::ServiceFn<
     fn(Request<Body>) -> std::future::Ready<Result<http::Response<Body>, Infallible>>,
 >;
 
-/// One app under test: `n` requests through a fresh clone each (as a server does per
-/// connection), timed.
+/// One app under test: `n` requests through a fresh clone each (as hyper clones the service
+/// for every request), timed.
 trait App: Send + Sync {
     /// `n` requests from the app's peer, moved to another network by `client` (one per
     /// thread, so that threads with distinct clients share only the layer, not a key).
@@ -117,19 +117,7 @@ where
         + Sync
         + 'static,
 {
-    app_for(PEER, service)
-}
-
-/// An app whose requests come from `peer`.
-fn app_for<S, B>(peer: SocketAddr, service: S) -> Box<dyn App>
-where
-    S: Service<Request<Body>, Response = http::Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + Sync
-        + 'static,
-{
-    Box::new(Svc(service, peer))
+    Box::new(Svc(service, PEER))
 }
 
 /// The apps, in the order of the tables in BENCHMARKS.md; `HTTP_BENCH_ONLY` takes an index.
@@ -170,7 +158,7 @@ fn apps() -> Vec<(&'static str, Box<dyn App>)> {
         ),
         (
             "tollgate around, IPv6 peer",
-            app_for(PEER6, around(limited(HeaderProfile::Ietf, true))),
+            Box::new(Svc(around(limited(HeaderProfile::Ietf, true)), PEER6)),
         ),
         (
             "tollgate around, no f./ext.",
