@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::get;
 use http::StatusCode;
-use support::{Client, serve, store};
+use support::{Client, serve, serve_service, store};
 use tollgate::key::{Global, PeerIp};
 use tollgate::limiter::Rule;
 use tollgate::{Policy, RateLimitLayer};
@@ -155,8 +155,6 @@ async fn a_layer_around_the_whole_router_and_on_a_nested_router() {
 /// response carries the fields.
 #[tokio::test]
 async fn around_the_router() {
-    use axum::ServiceExt;
-    use axum::extract::Request;
     use tower::Layer;
 
     let (store, _clock) = store();
@@ -164,13 +162,7 @@ async fn around_the_router() {
         .rule(Rule::new("per-ip").key(PeerIp::new()).policy(window(2)))
         .build()
         .unwrap();
-    let app = ServiceExt::<Request>::into_make_service_with_connect_info::<std::net::SocketAddr>(
-        layer.layer(routes()),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let client = Client::new(addr);
+    let client = Client::new(serve_service(layer.layer(routes())).await);
 
     let first = client.get("/users/1").await;
     assert_eq!(first.status, StatusCode::OK);

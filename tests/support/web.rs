@@ -2,6 +2,7 @@
 //! store that fails, and the Structured Fields readers.
 
 use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -35,16 +36,45 @@ pub async fn serve(app: Router) -> SocketAddr {
 
 /// Serves `app` on `addr`, with `ConnectInfo<SocketAddr>`.
 pub async fn serve_on(addr: &str, app: Router) -> SocketAddr {
+    serve_service_on(addr, app).await
+}
+
+/// Serves any service (a router, or a layer wrapped around one) on 127.0.0.1 (a free port),
+/// with `ConnectInfo<SocketAddr>`.
+pub async fn serve_service<S>(service: S) -> SocketAddr
+where
+    S: tower::Service<
+            axum::extract::Request,
+            Response = axum::response::Response,
+            Error = Infallible,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send,
+{
+    serve_service_on("127.0.0.1:0", service).await
+}
+
+async fn serve_service_on<S>(addr: &str, service: S) -> SocketAddr
+where
+    S: tower::Service<
+            axum::extract::Request,
+            Response = axum::response::Response,
+            Error = Infallible,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send,
+{
+    use axum::ServiceExt;
     let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap();
-    });
+    let make = ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<
+        SocketAddr,
+    >(service);
+    tokio::spawn(async move { axum::serve(listener, make).await.unwrap() });
     addr
 }
 
