@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::get;
 use http::StatusCode;
-use support::{Client, serve, serve_service, store};
+use support::{Client, serve, serve_service_on, store};
 use tollgate::key::{Global, PeerIp};
 use tollgate::limiter::Rule;
 use tollgate::{Policy, RateLimitLayer};
@@ -162,7 +162,7 @@ async fn around_the_router() {
         .rule(Rule::new("per-ip").key(PeerIp::new()).policy(window(2)))
         .build()
         .unwrap();
-    let client = Client::new(serve_service(layer.layer(routes())).await);
+    let client = Client::new(serve_service_on("127.0.0.1:0", layer.layer(routes())).await);
 
     let first = client.get("/users/1").await;
     assert_eq!(first.status, StatusCode::OK);

@@ -39,24 +39,9 @@ pub async fn serve_on(addr: &str, app: Router) -> SocketAddr {
     serve_service_on(addr, app).await
 }
 
-/// Serves any service (a router, or a layer wrapped around one) on 127.0.0.1 (a free port),
-/// with `ConnectInfo<SocketAddr>`.
-pub async fn serve_service<S>(service: S) -> SocketAddr
-where
-    S: tower::Service<
-            axum::extract::Request,
-            Response = axum::response::Response,
-            Error = Infallible,
-        > + Clone
-        + Send
-        + Sync
-        + 'static,
-    S::Future: Send,
-{
-    serve_service_on("127.0.0.1:0", service).await
-}
-
-async fn serve_service_on<S>(addr: &str, service: S) -> SocketAddr
+/// Serves any service (a router, or a layer wrapped around one) on `addr`, with
+/// `ConnectInfo<SocketAddr>`.
+pub async fn serve_service_on<S>(addr: &str, service: S) -> SocketAddr
 where
     S: tower::Service<
             axum::extract::Request,
