@@ -128,3 +128,24 @@ async fn the_peer_address_over_ipv6_loopback() {
     assert_eq!(client.get("/").await.status, StatusCode::OK);
     assert_eq!(client.get("/").await.status, StatusCode::TOO_MANY_REQUESTS);
 }
+
+/// The review's reproduction: behind a proxy that appends its element to the client's
+/// `Forwarded` line, a client that ends its own element with an unterminated quoted string
+/// used to swallow the proxy's element and have its own `for=` taken as the client, a fresh
+/// key per request. Now such a line yields no address and the key is the proxy's: twenty
+/// rotating addresses buy no more than the limit.
+#[tokio::test]
+async fn an_unterminated_quote_in_forwarded_buys_no_fresh_key() {
+    // The loopback address plays the proxy, which appends `, for=<the real client>`.
+    let key = Forwarded::trusting(["127.0.0.0/8", "10.0.0.0/8"])
+        .unwrap()
+        .rfc7239();
+    let client = Client::new(serve(limited_app(key, 3)).await);
+    let mut admitted = 0;
+    for i in 0..20 {
+        let line = format!("for=198.51.100.{i};x=\", for=203.0.113.9");
+        let answer = client.get_with("/", &[("forwarded", &line)]).await;
+        admitted += usize::from(answer.status == StatusCode::OK);
+    }
+    assert_eq!(admitted, 3);
+}

@@ -132,7 +132,12 @@ impl KeyExtractor for PeerIp {
 ///   first one that is not a trusted proxy is the client;
 /// - an element that is not an address (malformed, `unknown`, an obfuscated RFC 7239
 ///   identifier) ends the walk: the key is the last trusted address seen, usually the proxy
-///   that wrote it. Garbage therefore never becomes a key of its own;
+///   that wrote it. Garbage therefore never becomes a key of its own. `Forwarded` lines are
+///   read by RFC 7239's grammar: an element with any malformed pair (an unterminated or
+///   misplaced quote, a name that is not a token, white space around `=`, a parameter given
+///   twice) has no address, and a quoted string that never closes makes the rest of its line
+///   one malformed element, so what a client writes can never turn an element a proxy appended
+///   into an address of the client's choosing;
 /// - if every address is trusted, the leftmost one is the client; at most 32 hops are read.
 ///
 /// Only one header is read: the one your proxies write. Reading `Forwarded` while the proxy
@@ -276,57 +281,157 @@ fn push_hop(hops: &mut SmallVec<[Option<IpAddr>; 8]>, hop: Option<IpAddr>) {
     hops.push(hop);
 }
 
-/// The `for=` node of each element of a `Forwarded` value; `None` for an element without a
-/// usable one. Quoted strings may hold commas and semicolons.
-fn rfc7239_hops(value: &[u8], hops: &mut SmallVec<[Option<IpAddr>; 8]>) {
-    let mut element_for: Option<IpAddr> = None;
+/// The `for=` node of each element of one `Forwarded` field line, pushed left to right:
+/// `Some(address)` for a well-formed element whose `for=` is an address, `None` for any other
+/// element.
+///
+/// The grammar is RFC 7239's (`element *( "," element )`, `element = [pair] *( ";" [pair] )`,
+/// `pair = token "=" ( token / quoted-string )`), with optional white space around `;` and `,`
+/// and, as proxies write them, unquoted values holding `:` `[` `]`. An element is malformed, and
+/// yields no address, when any of its pairs is: a name that is not a token, a missing `=`, white
+/// space around `=`, an empty or unquoted value with characters a token cannot hold, text after
+/// a closing quote, or a parameter given twice. A quoted string that never closes makes the rest
+/// of the line one malformed element: whatever a client writes, the elements a proxy appends
+/// after it are either read as the proxy wrote them or not read at all, and never lend their
+/// place to an address the client wrote. Empty elements (`a, , b`) are skipped, as the list
+/// syntax allows.
+fn rfc7239_hops(line: &[u8], hops: &mut SmallVec<[Option<IpAddr>; 8]>) {
+    let n = line.len();
     let mut i = 0;
-    let n = value.len();
+    let mut element = Element::default();
+    let mut quoted: SmallVec<[u8; 64]> = SmallVec::new();
     loop {
-        // One pair: name '=' (token | quoted-string), up to ';' or ',' or the end.
-        while i < n && matches!(value[i], b' ' | b'\t') {
-            i += 1;
-        }
-        let name_start = i;
-        while i < n && !matches!(value[i], b'=' | b';' | b',') {
-            i += 1;
-        }
-        let name = trim(&value[name_start..i]);
-        let mut pair_value: SmallVec<[u8; 64]> = SmallVec::new();
-        if i < n && value[i] == b'=' {
-            i += 1;
-            if i < n && value[i] == b'"' {
+        // One pair, or an empty one, up to `;`, `,` or the end of the line.
+        i = skip_ows(line, i);
+        if i < n && !matches!(line[i], b';' | b',') {
+            let start = i;
+            while i < n && is_tchar(line[i]) {
                 i += 1;
-                while i < n && value[i] != b'"' {
-                    if value[i] == b'\\' && i + 1 < n {
+            }
+            let name = &line[start..i];
+            if name.is_empty() || i >= n || line[i] != b'=' {
+                element.malformed = true;
+            } else {
+                i += 1;
+                let value: &[u8] = if i < n && line[i] == b'"' {
+                    match quoted_string(line, i + 1, &mut quoted) {
+                        Some(after) => {
+                            i = after;
+                            &quoted
+                        }
+                        None => {
+                            // Unterminated: the rest of the line is this element.
+                            push_hop(hops, None);
+                            return;
+                        }
+                    }
+                } else {
+                    let start = i;
+                    while i < n && is_value_byte(line[i]) {
                         i += 1;
                     }
-                    pair_value.push(value[i]);
+                    if i == start {
+                        element.malformed = true;
+                    }
+                    &line[start..i]
+                };
+                element.pair(name, value);
+            }
+            i = skip_ows(line, i);
+            if i < n && !matches!(line[i], b';' | b',') {
+                // Text where a `;` or `,` must be: skip to the next one.
+                element.malformed = true;
+                while i < n && !matches!(line[i], b';' | b',') {
                     i += 1;
                 }
-                i += 1; // the closing quote (or past the end of a broken value)
-                while i < n && !matches!(value[i], b';' | b',') {
-                    i += 1;
-                }
-            } else {
-                let start = i;
-                while i < n && !matches!(value[i], b';' | b',') {
-                    i += 1;
-                }
-                pair_value.extend_from_slice(trim(&value[start..i]));
             }
         }
-        if name.eq_ignore_ascii_case(b"for") {
-            element_for = parse_node(&pair_value);
-        }
-        if i >= n || value[i] == b',' {
-            push_hop(hops, element_for.take());
+        if i >= n || line[i] == b',' {
+            if !element.is_empty() {
+                push_hop(hops, element.address());
+            }
+            element = Element::default();
             if i >= n {
                 return;
             }
         }
         i += 1;
     }
+}
+
+/// What has been read of one `Forwarded` element.
+#[derive(Default)]
+struct Element {
+    pairs: u32,
+    /// The parameters seen, one bit each: `for`, `by`, `host`, `proto`, anything else is not
+    /// checked for repeats.
+    seen: u8,
+    node: Option<IpAddr>,
+    malformed: bool,
+}
+
+impl Element {
+    fn pair(&mut self, name: &[u8], value: &[u8]) {
+        self.pairs += 1;
+        let bit = [&b"for"[..], b"by", b"host", b"proto"]
+            .iter()
+            .position(|known| name.eq_ignore_ascii_case(known))
+            .map_or(0, |i| 1 << i);
+        if self.seen & bit != 0 {
+            self.malformed = true;
+        }
+        self.seen |= bit;
+        if bit == 1 {
+            self.node = parse_node(value);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.pairs == 0 && !self.malformed
+    }
+
+    fn address(&self) -> Option<IpAddr> {
+        if self.malformed { None } else { self.node }
+    }
+}
+
+/// Reads a quoted string whose opening quote is just before `start` into `out` (escapes
+/// undone), and returns the index after its closing quote; `None` if it never closes.
+fn quoted_string(line: &[u8], start: usize, out: &mut SmallVec<[u8; 64]>) -> Option<usize> {
+    out.clear();
+    let mut i = start;
+    while i < line.len() {
+        match line[i] {
+            b'"' => return Some(i + 1),
+            b'\\' => {
+                out.push(*line.get(i + 1)?);
+                i += 2;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    None
+}
+
+fn skip_ows(line: &[u8], mut i: usize) -> usize {
+    while i < line.len() && matches!(line[i], b' ' | b'\t') {
+        i += 1;
+    }
+    i
+}
+
+/// A byte of an HTTP token.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// A byte of an unquoted value: a token's, and the `:` `[` `]` of addresses and ports that
+/// proxies write unquoted although RFC 7239 asks for quotes.
+fn is_value_byte(b: u8) -> bool {
+    is_tchar(b) || matches!(b, b':' | b'[' | b']')
 }
 
 fn trim(bytes: &[u8]) -> &[u8] {
@@ -357,8 +462,18 @@ fn parse_node(node: &[u8]) -> Option<IpAddr> {
     addr.parse::<Ipv4Addr>().ok().map(IpAddr::V4)
 }
 
+/// A port as RFC 7239 writes one: digits, or an obfuscated one (`_` and letters, digits, `.`,
+/// `_`, `-`).
 fn is_port(s: &str) -> bool {
-    s.bytes().all(|b| b.is_ascii_digit()) && s.parse::<u16>().is_ok()
+    match s.strip_prefix('_') {
+        Some(obfuscated) => {
+            !obfuscated.is_empty()
+                && obfuscated
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        }
+        None => s.bytes().all(|b| b.is_ascii_digit()) && s.parse::<u16>().is_ok(),
+    }
 }
 
 fn canonical(ip: IpAddr) -> IpAddr {
@@ -664,6 +779,134 @@ mod tests {
         let p = parts("10.0.0.1:1", &[("x-forwarded-for", "1.1.1.1")]);
         assert_eq!(f.extract(&p).unwrap().as_str(), "10.0.0.1");
     }
+
+    /// Malformed elements yield no address, wherever a client puts them.
+    #[test]
+    fn rfc7239_malformed_elements_never_yield_an_address() {
+        let f = Forwarded::trusting(["10.0.0.0/8"]).unwrap().rfc7239();
+        let key = |v: &str| {
+            f.extract(&parts("10.0.0.1:1", &[("forwarded", v)]))
+                .unwrap()
+                .to_string()
+        };
+        // The reported attack: the client's unterminated quote swallowed the proxy's element,
+        // and the client's own `for=` became the client.
+        assert_eq!(key("for=198.51.100.7;x=\", for=203.0.113.9"), "10.0.0.1");
+        // The same with the proxy's value quoted: the client's quote closes at the proxy's.
+        assert_eq!(
+            key("for=198.51.100.7;x=\", for=\"[2001:db8::1]:4711\""),
+            "10.0.0.1"
+        );
+        assert_eq!(key(r#"for="198.51.100.7\", for=203.0.113.9"#), "10.0.0.1");
+        assert_eq!(
+            key(r#"for=1.1.1.1;x="a\"b,for=9.9.9.9", for=203.0.113.9"#),
+            "203.0.113.9"
+        );
+        // Text after a closing quote, a repeated parameter, white space around `=`, a quote in
+        // an unquoted value, an empty value, a name that is not a token.
+        for bad in [
+            r#"for="203.0.113.9"x"#,
+            "for=203.0.113.9;for=198.51.100.7",
+            "for=203.0.113.9;proto=http;PROTO=https",
+            "for = 203.0.113.9",
+            "for=203.0.113.9\"x",
+            "for=",
+            "f(r=203.0.113.9",
+            "for=203.0.113.9 x",
+        ] {
+            assert_eq!(key(bad), "10.0.0.1", "{bad}");
+        }
+        // Well-formed: empty elements skipped, white space around `;`, obfuscated ports,
+        // bracketed IPv6 with and without a port, a well-formed client prefix.
+        assert_eq!(key("for=203.0.113.9, , "), "203.0.113.9");
+        assert_eq!(key("for=203.0.113.9 ; proto=https"), "203.0.113.9");
+        assert_eq!(key(r#"for="[2001:db8::17]:_p1""#), "2001:db8::/64");
+        assert_eq!(key(r#"for="[2001:db8::17]""#), "2001:db8::/64");
+        assert_eq!(key("for=192.0.2.43:_x"), "192.0.2.43");
+        assert_eq!(key("for=198.51.100.7, for=203.0.113.9"), "203.0.113.9");
+        assert_eq!(
+            key("for=198.51.100.7, by=1.1.1.1;for=203.0.113.9"),
+            "203.0.113.9"
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2048))]
+
+        /// Whatever a client writes in front of what a trusted proxy appends, the key is the
+        /// address the proxy wrote or, if the line cannot be read, the proxy itself: never an
+        /// address the client wrote.
+        #[test]
+        fn a_client_never_chooses_its_key_behind_a_trusted_proxy(
+            pieces in proptest::collection::vec(0usize..CLIENT_PIECES.len(), 0..16),
+            appended in 0usize..4,
+            own_line in proptest::prelude::any::<bool>(),
+            rfc7239 in proptest::prelude::any::<bool>(),
+        ) {
+            let written: String = pieces.iter().map(|&i| CLIENT_PIECES[i]).collect();
+            let (header, element, client) = if rfc7239 {
+                let (element, client) = [
+                    ("for=203.0.113.9", "203.0.113.9"),
+                    ("for=\"[2001:db8:cafe::17]:4711\"", "2001:db8:cafe::/64"),
+                    ("for=203.0.113.9;proto=https;by=10.0.0.1", "203.0.113.9"),
+                    ("for=203.0.113.9, for=10.0.0.7", "203.0.113.9"),
+                ][appended];
+                ("forwarded", element, client)
+            } else {
+                let (element, client) = [
+                    ("203.0.113.9", "203.0.113.9"),
+                    ("2001:db8:cafe::17", "2001:db8:cafe::/64"),
+                    ("[2001:db8:cafe::17]:4711", "2001:db8:cafe::/64"),
+                    ("203.0.113.9, 10.0.0.7", "203.0.113.9"),
+                ][appended];
+                ("x-forwarded-for", element, client)
+            };
+            let joined = format!("{written}, {element}");
+            let lines: Vec<(&str, &str)> = if own_line {
+                vec![(header, written.as_str()), (header, element)]
+            } else {
+                vec![(header, joined.as_str())]
+            };
+            proptest::prop_assume!(
+                lines.iter().all(|(_, v)| http::HeaderValue::from_str(v).is_ok())
+            );
+            let mut f = Forwarded::trusting(["10.0.0.0/8"]).unwrap();
+            if rfc7239 {
+                f = f.rfc7239();
+            }
+            let key = f.extract(&parts("10.0.0.1:1", &lines)).unwrap().to_string();
+            proptest::prop_assert!(key == client || key == "10.0.0.1", "{key} from {lines:?}");
+        }
+    }
+
+    /// What a client may write: addresses of its choosing (trusted ones too), and every
+    /// character that means something to the parsers.
+    const CLIENT_PIECES: &[&str] = &[
+        "for=198.51.100.7;",
+        "x=\"",
+        ";x=\"a\\\"",
+        "for=",
+        "198.51.100.7",
+        "10.9.9.9",
+        "\"",
+        "\\",
+        ";",
+        ",",
+        " ",
+        "\t",
+        "=",
+        "[",
+        "]",
+        ":",
+        "x",
+        "_h",
+        "unknown",
+        "by=",
+        "for=198.51.100.8",
+        "for=\"[2001:db8:bad::1]:1\"",
+        "\"[2001:db8:bad::2]\"",
+        "2001:db8:bad::3",
+    ];
 
     #[test]
     fn grouping() {
