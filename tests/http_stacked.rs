@@ -76,11 +76,11 @@ async fn stacked_rules_consume_nothing_on_refusal() {
                 .remaining()
         }
     };
-    assert_eq!(peek("user:bob", 2).await, 1);
-    assert_eq!(peek("user:alice", 2).await, 0);
-    assert_eq!(peek("tenant:acme", 3).await, 0);
+    assert_eq!(peek("bob@user", 2).await, 1);
+    assert_eq!(peek("alice@user", 2).await, 0);
+    assert_eq!(peek("acme@tenant", 3).await, 0);
     assert_eq!(
-        peek("global:", 100).await,
+        peek("@global", 100).await,
         97,
         "only the three admitted requests"
     );

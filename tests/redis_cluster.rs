@@ -269,3 +269,84 @@ async fn stacked_checks_across_slots_decide_like_memory() {
         "too few rejections to exercise refunds: {refunded}"
     );
 }
+
+/// Script calls the Cluster's masters have served so far.
+fn scripts_run(cluster: &RedisCluster) -> u64 {
+    cluster
+        .nodes
+        .iter()
+        .map(|node| {
+            let info = node.cli(&["INFO", "commandstats"]);
+            info.lines()
+                .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+                .filter_map(|l| {
+                    l.split("calls=")
+                        .nth(1)?
+                        .split(',')
+                        .next()?
+                        .parse::<u64>()
+                        .ok()
+                })
+                .sum::<u64>()
+        })
+        .sum()
+}
+
+/// Under `KeySlots::UntilDelimiter`, the stacked rules of a `Limiter` whose keys share the
+/// part before the delimiter are decided by one script on one slot, with no refund: the rule's
+/// name, which the limiter adds to each key, does not move the key. With `PerKey`, the same
+/// stack spans two slots (consume, then refund).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stacked_rules_share_a_slot_under_until_delimiter() {
+    use http::request::Parts;
+    use tollgate::RateLimitLayer;
+    use tollgate::limiter::Rule;
+    use tower::{Layer, ServiceExt};
+
+    let Some(cluster) = RedisCluster::start() else {
+        return;
+    };
+    for (slots, scripts_per_request) in [(KeySlots::UntilDelimiter('/'), 1), (KeySlots::PerKey, 2)]
+    {
+        let store = connect(&cluster, slots.clone()).await;
+        let day = Duration::from_secs(86_400);
+        let tenant = format!("acme-{scripts_per_request}");
+        let user = format!("{tenant}/42");
+        let layer = RateLimitLayer::builder(store)
+            .rule(
+                Rule::new("per-user")
+                    .key(move |_: &Parts| Some(user.clone()))
+                    .policy(Policy::fixed_window(1, day).unwrap()),
+            )
+            .rule(
+                Rule::new("per-tenant")
+                    .key(move |_: &Parts| Some(tenant.clone()))
+                    .policy(Policy::fixed_window(100, day).unwrap()),
+            )
+            .build()
+            .unwrap();
+        let service = layer.layer(tower::service_fn(|_: http::Request<String>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        }));
+        let mut statuses = Vec::new();
+        let mut scripts = Vec::new();
+        for _ in 0..2 {
+            let before = scripts_run(&cluster);
+            let response = service
+                .clone()
+                .oneshot(http::Request::new(String::new()))
+                .await
+                .unwrap();
+            statuses.push(response.status().as_u16());
+            scripts.push(scripts_run(&cluster) - before);
+        }
+        // The user's second request is refused; the tenant admits it, and under PerKey that
+        // consumption is refunded by a third script.
+        assert_eq!(statuses, [200, 429], "{slots:?}");
+        if scripts_per_request == 1 {
+            assert_eq!(scripts, [1, 1], "{slots:?}: one script per request");
+        } else {
+            assert!(scripts.iter().all(|&n| n >= 2), "{slots:?}: {scripts:?}");
+        }
+    }
+}

@@ -10,13 +10,21 @@ use http::request::Parts;
 /// A request's key: a short UTF-8 string, stored inline up to 64 bytes (no allocation for an
 /// address, a user id or a typical API key).
 ///
+/// A key's text is an encoding in which two different inputs never meet, so that no key a
+/// client supplies can spell one that tollgate makes: `%` is written `%25`, bytes that are not
+/// UTF-8 as `%` and two hex digits each, as in percent-encoding. Every other `%` sequence is
+/// tollgate's own: `%2F` for a `/` in the first part of an [`And`], `%|0|` and `%|1|` for the
+/// branches of an [`Or`], and `%#` for a long key replaced by its hash.
+///
 /// ```
 /// use tollgate::key::Key;
 ///
 /// let mut key = Key::from("tenant-7");
 /// key.push_str(":user-42");
 /// assert_eq!(key.as_str(), "tenant-7:user-42");
-/// assert_eq!(Key::from_bytes(b"\xff\x00").as_str(), "0xff00"); // not UTF-8: hex
+/// assert_eq!(Key::from_bytes(b"caf\xe9").as_str(), "caf%e9"); // not UTF-8: percent-encoded
+/// assert_eq!(Key::from("caf%e9").as_str(), "caf%25e9"); // so text cannot spell it
+/// assert_ne!(Key::from_bytes(b"\xff"), Key::from("%ff"));
 /// ```
 #[derive(Clone)]
 pub struct Key {
@@ -40,17 +48,31 @@ impl Key {
         }
     }
 
-    /// The key for arbitrary bytes: the bytes themselves when they are UTF-8, otherwise `0x`
-    /// and their hex digits.
+    /// The key for arbitrary bytes: UTF-8 text as [`Key::push_str`] writes it, and each byte
+    /// that is not part of UTF-8 text as `%` and two hex digits.
     pub fn from_bytes(bytes: &[u8]) -> Self {
         let mut key = Key::new();
         key.push_bytes(bytes);
         key
     }
 
-    /// Appends a string.
-    #[inline(always)]
+    /// Appends text, with each `%` written `%25`.
+    #[inline]
     pub fn push_str(&mut self, s: &str) {
+        if !s.as_bytes().contains(&b'%') {
+            return self.push_raw(s);
+        }
+        for (i, piece) in s.split('%').enumerate() {
+            if i > 0 {
+                self.push_raw("%25");
+            }
+            self.push_raw(piece);
+        }
+    }
+
+    /// Appends text that is already in the key's encoding (or holds no `%`), as it is.
+    #[inline(always)]
+    pub(crate) fn push_raw(&mut self, s: &str) {
         match &mut self.repr {
             Repr::Inline(inline) => {
                 if inline.try_push_str(s).is_err() {
@@ -64,21 +86,15 @@ impl Key {
         }
     }
 
-    /// Appends bytes: as they are when UTF-8, otherwise as `0x` and their hex digits.
+    /// Appends bytes: UTF-8 text as [`Key::push_str`] writes it, and each byte that is not
+    /// part of UTF-8 text as `%` and two hex digits.
     pub fn push_bytes(&mut self, bytes: &[u8]) {
-        match std::str::from_utf8(bytes) {
-            Ok(s) => self.push_str(s),
-            Err(_) => {
+        for chunk in bytes.utf8_chunks() {
+            self.push_str(chunk.valid());
+            for &b in chunk.invalid() {
                 const HEX: &[u8; 16] = b"0123456789abcdef";
-                self.push_str("0x");
-                for chunk in bytes.chunks(32) {
-                    let mut hex = [0u8; 64];
-                    for (i, b) in chunk.iter().enumerate() {
-                        hex[2 * i] = HEX[usize::from(b >> 4)];
-                        hex[2 * i + 1] = HEX[usize::from(b & 0xf)];
-                    }
-                    self.push_str(std::str::from_utf8(&hex[..2 * chunk.len()]).unwrap_or_default());
-                }
+                let escaped = [b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]];
+                self.push_raw(std::str::from_utf8(&escaped).unwrap_or_default());
             }
         }
     }
@@ -86,7 +102,7 @@ impl Key {
     /// Appends the decimal digits of `n`, without the formatting machinery.
     #[inline]
     pub(crate) fn push_u64(&mut self, n: u64) {
-        self.push_str(itoa::Buffer::new().format(n));
+        self.push_raw(itoa::Buffer::new().format(n));
     }
 
     /// The key as a string.
@@ -110,7 +126,7 @@ impl Key {
     }
 
     /// Shortens the key to `len` bytes if it is longer, at a character boundary at or below
-    /// `len`.
+    /// `len` (a cut inside a `%` sequence leaves a key that no text spells).
     pub fn truncate(&mut self, len: usize) {
         let mut len = len.min(self.len());
         while len > 0 && !self.as_str().is_char_boundary(len) {
@@ -220,14 +236,17 @@ pub trait KeyExtractor: Send + Sync + 'static {
     fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
         match self.extract(parts) {
             Some(key) => {
-                out.push_str(key.as_str());
+                out.push_raw(key.as_str());
                 true
             }
             None => false,
         }
     }
 
-    /// This extractor, or `other` when this one finds no key.
+    /// This extractor, or `other` when this one finds no key. The two never share a key:
+    /// `other`'s keys start with `%|1|` (and this one's, in the rare case that they start with
+    /// `%|`, with `%|0|`), so that a client cannot aim at the bucket of the other branch by
+    /// writing its key (an API key `192.0.2.1` is not the address `192.0.2.1`).
     fn or<B: KeyExtractor>(self, other: B) -> Or<Self, B>
     where
         Self: Sized,
@@ -236,7 +255,8 @@ pub trait KeyExtractor: Send + Sync + 'static {
     }
 
     /// Both keys joined by `/` (say, a tenant and a user within it); no key unless both have
-    /// one.
+    /// one. A `/` within the first key is written `%2F`, so that (`a/b`, `c`) and (`a`, `b/c`)
+    /// are two keys.
     fn and<B: KeyExtractor>(self, other: B) -> And<Self, B>
     where
         Self: Sized,
@@ -262,13 +282,35 @@ pub struct Or<A, B>(pub A, pub B);
 
 impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for Or<A, B> {
     fn extract(&self, parts: &Parts) -> Option<Key> {
-        self.0.extract(parts).or_else(|| self.1.extract(parts))
+        let mut key = Key::new();
+        self.extract_into(parts, &mut key).then_some(key)
     }
 
     fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
-        self.0.extract_into(parts, out) || self.1.extract_into(parts, out)
+        let start = out.len();
+        if self.0.extract_into(parts, out) {
+            // Only keys that start as the second branch's do get a tag of their own.
+            if out.as_str()[start..].starts_with(OR_MARK) {
+                let first = out.as_str()[start..].to_owned();
+                out.truncate(start);
+                out.push_raw(OR_FIRST);
+                out.push_raw(&first);
+            }
+            return true;
+        }
+        out.push_raw(OR_SECOND);
+        if self.1.extract_into(parts, out) {
+            return true;
+        }
+        out.truncate(start);
+        false
     }
 }
+
+/// What the tags of [`Or`]'s branches start with; no key text does.
+const OR_MARK: &str = "%|";
+const OR_FIRST: &str = "%|0|";
+const OR_SECOND: &str = "%|1|";
 
 /// Both extractors' keys joined by `/` ([`KeyExtractor::and`]).
 #[derive(Clone, Debug)]
@@ -281,13 +323,18 @@ impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for And<A, B> {
     }
 
     fn extract_into(&self, parts: &Parts, out: &mut Key) -> bool {
-        let len = out.len();
+        let start = out.len();
         if !self.0.extract_into(parts, out) {
             return false;
         }
-        out.push_str("/");
+        if out.as_str()[start..].contains('/') {
+            let first = out.as_str()[start..].replace('/', "%2F");
+            out.truncate(start);
+            out.push_raw(&first);
+        }
+        out.push_raw("/");
         if !self.1.extract_into(parts, out) {
-            out.truncate(len);
+            out.truncate(start);
             return false;
         }
         true
@@ -431,7 +478,7 @@ mod tests {
     fn keys_hold_utf8_and_hex_otherwise() {
         let mut key = Key::from("é");
         key.push_bytes(&[0xc3]);
-        assert_eq!(key.as_str(), "é0xc3");
+        assert_eq!(key.as_str(), "é%c3");
         key.truncate(1); // inside "é": back to the boundary
         assert_eq!(key.as_str(), "");
         assert_eq!(Key::from(42u64).as_str(), "42");
@@ -439,6 +486,67 @@ mod tests {
         assert_eq!(Key::from(u64::MAX).as_str(), u64::MAX.to_string());
         let long = Key::from("x".repeat(200));
         assert_eq!(long.len(), 200);
+    }
+
+    /// No two different inputs meet: text cannot spell bytes that are not UTF-8, nor the
+    /// tags of `Or` and `And`.
+    #[test]
+    fn keys_from_different_inputs_never_meet() {
+        assert_ne!(Key::from_bytes(b"\xff"), Key::from("0xff"));
+        assert_ne!(Key::from_bytes(b"\xff"), Key::from("%ff"));
+        assert_eq!(Key::from_bytes(b"a\xff%b").as_str(), "a%ff%25b");
+        assert_eq!(Key::from("100%").as_str(), "100%25");
+        let mut written = Key::new();
+        let _ = fmt::Write::write_str(&mut written, "%|1|x");
+        assert_eq!(written.as_str(), "%25|1|x");
+        // Every byte string, one byte at a time, and text: all distinct.
+        let mut seen = std::collections::HashSet::new();
+        for b in 0..=255u8 {
+            assert!(seen.insert(Key::from_bytes(&[b])), "{b}");
+            assert!(seen.insert(Key::from_bytes(&[b'%', b])), "% {b}");
+        }
+    }
+
+    /// `Or` keeps its branches apart, nested too; `And` keeps its parts apart.
+    #[test]
+    fn composed_keys_never_meet() {
+        let h = |name: &'static str| Header::from_static(name);
+        let of = |e: &dyn KeyExtractor, headers: &[(&str, &str)]| {
+            let mut r = http::Request::get("/");
+            for (k, v) in headers {
+                r = r.header(*k, *v);
+            }
+            e.extract(&parts(r)).map(|k| k.to_string())
+        };
+        // A client writing someone else's fallback key gets a key of its own.
+        let or = h("x-api-key").or(h("x-ip"));
+        let own = of(&or, &[("x-api-key", "192.0.2.1")]).unwrap();
+        let fallback = of(&or, &[("x-ip", "192.0.2.1")]).unwrap();
+        assert_eq!(own, "192.0.2.1");
+        assert_eq!(fallback, "%|1|192.0.2.1");
+        assert_ne!(own, fallback);
+        // ... also when it writes the fallback's tag (the `%` is escaped).
+        assert_ne!(
+            of(&or, &[("x-api-key", "%|1|192.0.2.1")]).unwrap(),
+            fallback
+        );
+        // Nested: every branch of Or(Or(a, b), c) has its own keys.
+        let nested = h("x-a").or(h("x-b")).or(h("x-c"));
+        let keys = ["x-a", "x-b", "x-c"].map(|name| of(&nested, &[(name, "v")]).unwrap());
+        assert_eq!(keys, ["v", "%|0|%|1|v", "%|1|v"]);
+        assert_eq!(of(&nested, &[]), None);
+        // And: (a/b, c) and (a, b/c) are two keys.
+        let and = h("x-a").and(h("x-b"));
+        let ab_c = of(&and, &[("x-a", "a/b"), ("x-b", "c")]).unwrap();
+        let a_bc = of(&and, &[("x-a", "a"), ("x-b", "b/c")]).unwrap();
+        assert_eq!(ab_c, "a%2Fb/c");
+        assert_eq!(a_bc, "a/b/c");
+        // A part that finds no key leaves nothing behind.
+        let mut out = Key::from("rule");
+        let p = parts(http::Request::get("/").header("x-a", "a/b"));
+        assert!(!and.extract_into(&p, &mut out));
+        assert!(!h("x-none").or(h("x-none2")).extract_into(&p, &mut out));
+        assert_eq!(out.as_str(), "rule");
     }
 
     #[test]
@@ -468,7 +576,7 @@ mod tests {
                 .is_none()
         );
         let fallback = Header::from_static("x-none").or(Global);
-        assert_eq!(fallback.extract(&p).unwrap().as_str(), "");
+        assert_eq!(fallback.extract(&p).unwrap().as_str(), "%|1|");
         let closure = |_: &Parts| Some("fixed");
         assert_eq!(closure.extract(&p).unwrap().as_str(), "fixed");
         let boxed: Box<dyn KeyExtractor> = Box::new(user);

@@ -534,10 +534,10 @@ impl Grouping {
             IpAddr::V4(v4) if self.v4 >= 32 => {
                 // The common case, without the formatting machinery: four short copies.
                 let [a, b, c, d] = v4.octets().map(|o| OCTET_DOT[usize::from(o)]);
-                key.push_str(a);
-                key.push_str(b);
-                key.push_str(c);
-                key.push_str(d.strip_suffix('.').unwrap_or(d));
+                key.push_raw(a);
+                key.push_raw(b);
+                key.push_raw(c);
+                key.push_raw(d.strip_suffix('.').unwrap_or(d));
                 Ok(())
             }
             IpAddr::V4(v4) => {
@@ -547,7 +547,7 @@ impl Grouping {
             IpAddr::V6(v6) if self.v6 >= 128 => write!(key, "{v6}"),
             IpAddr::V6(v6) if self.v6 <= 64 => {
                 let masked = Ipv6Addr::from_bits(v6.to_bits() & mask128(self.v6));
-                key.push_str(&network64(masked, self.v6));
+                key.push_raw(&network64(masked, self.v6));
                 Ok(())
             }
             IpAddr::V6(v6) => {

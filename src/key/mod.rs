@@ -15,7 +15,9 @@
 //! | any `Fn(&Parts) -> Option<K>` | whatever the closure returns |
 //!
 //! Extractors compose: [`KeyExtractor::or`] falls back to a second extractor when the first
-//! finds nothing, [`KeyExtractor::and`] joins two keys (a user within a tenant). What a rule
+//! finds nothing, [`KeyExtractor::and`] joins two keys (a user within a tenant). Keys never
+//! meet across inputs: a key's text escapes `%`, so that what a client writes cannot spell
+//! the tags of `or` and `and`, bytes that are not UTF-8, or a hashed key (see [`Key`]). What a rule
 //! does with a request that has no key at all is the rule's choice
 //! ([`MissingKey`](crate::limiter::MissingKey)).
 //!
@@ -35,9 +37,10 @@
 //! assert_eq!(PeerIp::new().extract(&parts).unwrap().as_str(), "10.0.0.2");
 //! let behind_proxy = Forwarded::trusting(["10.0.0.0/8"])?;
 //! assert_eq!(behind_proxy.extract(&parts).unwrap().as_str(), "203.0.113.9");
-//! // No API key: fall back to the client's address.
+//! // No API key: fall back to the client's address, in a namespace of its own (a client
+//! // sending `x-api-key: 203.0.113.9` gets another key).
 //! let api_key = Header::from_static("x-api-key").or(behind_proxy);
-//! assert_eq!(api_key.extract(&parts).unwrap().as_str(), "203.0.113.9");
+//! assert_eq!(api_key.extract(&parts).unwrap().as_str(), "%|1|203.0.113.9");
 //! # Ok(())
 //! # }
 //! ```
@@ -49,6 +52,8 @@ pub use extract::{And, Extension, Global, Header, Key, KeyExtractor, Or};
 pub use ip::{DEFAULT_IPV6_PREFIX, Forwarded, InvalidNetwork, PeerIp};
 
 /// The longest key the limiter hands to a store, in bytes, including the rule's name. A longer
-/// key is replaced by the rule's name and a 128-bit hash of the key, so that a client cannot
-/// make the store hold (or a Redis command carry) arbitrarily long keys.
+/// key is replaced by `%#`, the first 128 bits of its SHA-256 and the rule's name, so that a
+/// client cannot make the store hold (or a Redis command carry) arbitrarily long keys, nor
+/// steer two keys into one hash; the hash is the same in every process, so instances sharing
+/// a Redis agree on it.
 pub const MAX_KEY_LEN: usize = 160;

@@ -1,7 +1,6 @@
 //! The built limiter: rules compiled once, and the plan of checks for one request.
 
 use std::fmt::{self, Write as _};
-use std::hash::BuildHasher;
 use std::sync::Arc;
 
 use http::request::Parts;
@@ -122,6 +121,12 @@ impl<St: Store> LimiterBuilder<St> {
             }
             compiled.push(CompiledRule::compile(rule)?);
         }
+        if let Some(max) = self.store.max_key_len() {
+            let longest = MAX_KEY_LEN;
+            if max < longest {
+                return Err(LimiterError::StoreKeyTooShort { max, longest });
+            }
+        }
         let single = matches!(&compiled[..], [rule] if rule.tiers.is_none()
             && !rule.shadow
             && rule.sets.len() == 1
@@ -173,6 +178,14 @@ pub enum LimiterError {
     },
     /// More rules than 65 535.
     TooManyRules(usize),
+    /// The store refuses keys longer than `max` bytes, and the limiter makes keys of up to
+    /// `longest` bytes ([`MAX_KEY_LEN`]): some requests would be answered 503.
+    StoreKeyTooShort {
+        /// The store's bound.
+        max: usize,
+        /// The longest key the limiter makes.
+        longest: usize,
+    },
 }
 
 impl fmt::Display for LimiterError {
@@ -197,6 +210,11 @@ impl fmt::Display for LimiterError {
                 write!(f, "the tiers of rule {rule:?}: {reason}")
             }
             LimiterError::TooManyRules(n) => write!(f, "{n} rules: at most 65535"),
+            LimiterError::StoreKeyTooShort { max, longest } => write!(
+                f,
+                "the store takes keys of at most {max} bytes, and the limiter makes keys of up to \
+                 {longest} bytes: raise the store's max_key_len to at least {longest}"
+            ),
         }
     }
 }
@@ -206,8 +224,8 @@ impl std::error::Error for LimiterError {}
 /// A rule ready to run.
 pub(crate) struct CompiledRule {
     pub(crate) name: Arc<str>,
-    /// `name:`, the start of every store key of the rule.
-    prefix: Box<str>,
+    /// `@name`, the end of every store key of the rule.
+    suffix: Box<str>,
     methods: SmallVec<[Method; 2]>,
     route: Route,
     key: Box<dyn KeyExtractor>,
@@ -318,10 +336,15 @@ impl CompiledRule {
                 (sets, Some(tiers.into_resolved(default)))
             }
         };
+        let mut methods = rule.methods;
+        if !rule.exact_methods && methods.contains(&Method::GET) && !methods.contains(&Method::HEAD)
+        {
+            methods.push(Method::HEAD);
+        }
         Ok(CompiledRule {
-            prefix: format!("{name}:").into(),
+            suffix: format!("@{name}").into(),
             name,
-            methods: rule.methods,
+            methods,
             route: rule.route,
             key: rule.key,
             cost: rule.cost,
@@ -332,6 +355,9 @@ impl CompiledRule {
         })
     }
 
+    /// Whether the rule applies to a request: by method (a rule on `GET` also applies to
+    /// `HEAD`, which axum's `get` serves with the same handler, unless the rule asks for exact
+    /// methods) and by route.
     #[inline(always)]
     fn matches(&self, parts: &Parts) -> bool {
         (self.methods.is_empty() || self.methods.contains(&parts.method))
@@ -563,7 +589,10 @@ impl<St: Store> Limiter<St> {
             };
             let mut raw = None;
             if rule.tiers.is_some() {
-                raw = key.as_str().get(rule.prefix.len()..).map(Box::<str>::from);
+                raw = key
+                    .as_str()
+                    .get(..key.len() - rule.suffix.len())
+                    .map(Box::<str>::from);
             }
             let key = bounded(rule, key);
             let set = match &rule.tiers {
@@ -649,12 +678,16 @@ impl<St: Store> Limiter<St> {
         let mut checks = Checks::new();
         for p in planned {
             let set = self.set(p.rule, p.set.unwrap_or(0));
+            // The key the extractor found, without the rule's name, places the check.
+            let placed_by = self
+                .rules
+                .get(usize::from(p.rule))
+                .map_or(usize::MAX, |r| p.key.len().saturating_sub(r.suffix.len()));
             for policy in set.policies.iter() {
-                checks.push(Check::new(
-                    p.key.as_str(),
-                    policy,
-                    p.cost.min(policy.limit()),
-                ));
+                checks.push(
+                    Check::new(p.key.as_str(), policy, p.cost.min(policy.limit()))
+                        .placed_by(placed_by),
+                );
             }
         }
         checks
@@ -725,16 +758,22 @@ impl<St: Store> Limiter<St> {
     }
 }
 
-/// The key of rule `index` for a request, `rule:key` (`rule:` is the rule's `prefix`); `None`
-/// when the rule has no key for it and skips it.
+/// The store key of rule `index` for a request, `key@rule` (`@rule` is the rule's `suffix`);
+/// `None` when the rule has no key for it and skips it.
+///
+/// The key comes first so that a store that places keys by their start (the Redis store's
+/// [`KeySlots::UntilDelimiter`](crate::store::redis::KeySlots)) places the keys of stacked
+/// rules together; the rule's name, which holds no `@`, follows the last `@`, so that no two
+/// (rule, key) pairs make one store key. A shadow rule never refuses: with no key it is skipped.
 #[inline(always)]
 fn rule_key(rule: &CompiledRule, index: u16, parts: &Parts) -> Result<Option<Key>, NoKey> {
     let mut key = Key::new();
-    key.push_str(&rule.prefix);
     if rule.key.extract_into(parts, &mut key) {
+        key.push_raw(&rule.suffix);
         return Ok(Some(key));
     }
     match rule.missing {
+        _ if rule.shadow => Ok(None),
         MissingKey::Skip => Ok(None),
         MissingKey::Reject(status) => Err(NoKey {
             rule: index,
@@ -749,33 +788,35 @@ fn bounded(rule: &CompiledRule, key: Key) -> Key {
     if key.len() <= MAX_KEY_LEN {
         return key;
     }
-    hashed_key(
-        &rule.name,
-        key.as_str().get(rule.prefix.len()..).unwrap_or_default(),
-    )
+    let text = key.as_str();
+    hashed_key(&text[..text.len() - rule.suffix.len()], &rule.suffix)
 }
 
-/// The store key of a rule's key: `rule:key`, or `rule:#` and a 128-bit hash of the key when
-/// that would be longer than [`MAX_KEY_LEN`].
+/// The store key of a rule's key: `key@rule`, or `%#`, a hash of the key and `@rule` when that
+/// would be longer than [`MAX_KEY_LEN`].
 #[cfg(test)]
 pub(crate) fn store_key(rule: &str, key: &Key) -> Key {
-    let mut out = Key::new();
-    out.push_str(rule);
-    out.push_str(":");
-    out.push_str(key.as_str());
+    let mut out = key.clone();
+    out.push_raw("@");
+    out.push_raw(rule);
     if out.len() > MAX_KEY_LEN {
-        out = hashed_key(rule, key.as_str());
+        out = hashed_key(key.as_str(), &format!("@{rule}"));
     }
     out
 }
 
-/// `rule:#` and a 128-bit hash of `key` (stable across processes of one build).
-fn hashed_key(rule: &str, key: &str) -> Key {
-    let a = foldhash::fast::FixedState::with_seed(0x5eed_0001).hash_one(key);
-    let b = foldhash::fast::FixedState::with_seed(0x5eed_0002).hash_one(key);
+/// `%#`, the first 128 bits of the SHA-256 of `key` in hex, and `suffix`: the same in every
+/// process and every build (instances that share a Redis agree on it), and no client can steer
+/// two keys into one hash. No key text spells `%#`.
+fn hashed_key(key: &str, suffix: &str) -> Key {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(key.as_bytes());
     let mut out = Key::new();
-    out.push_str(rule);
-    let _ = write!(out, ":#{a:016x}{b:016x}");
+    out.push_raw("%#");
+    for b in &digest[..16] {
+        let _ = write!(out, "{b:02x}");
+    }
+    out.push_raw(suffix);
     out
 }
 
@@ -913,10 +954,20 @@ mod tests {
         let long = Key::from("k".repeat(10_000));
         let a = store_key("rule", &long);
         assert!(a.len() <= MAX_KEY_LEN);
-        assert!(a.as_str().starts_with("rule:#"));
+        assert!(a.as_str().starts_with("%#"), "{a}");
+        assert!(a.as_str().ends_with("@rule"), "{a}");
         assert_eq!(a, store_key("rule", &long));
         assert_ne!(a, store_key("rule", &Key::from("k".repeat(10_001))));
-        assert_eq!(store_key("r", &Key::from("x")).as_str(), "r:x");
+        assert_ne!(a, store_key("rule2", &long));
+        // SHA-256, the same in every process and build: instances sharing a Redis agree.
+        assert_eq!(
+            store_key("r", &Key::from("x".repeat(200))).as_str(),
+            "%#aa20c23e3201834050679e1d88941b9a@r"
+        );
+        assert_eq!(store_key("r", &Key::from("x")).as_str(), "x@r");
+        // A client's short key cannot spell a hashed one.
+        let spelled = store_key("rule", &Key::from(&a.as_str()[..a.len() - 5]));
+        assert_ne!(spelled, a);
     }
 
     /// The one-rule shortcut of `start` answers as the general plan does: the same refusals
@@ -983,6 +1034,128 @@ mod tests {
             assert_eq!(outcome(single.start(&get())), "true 1");
             assert_eq!(outcome(general.start(&get())), "false 1");
         }
+    }
+
+    fn request(method: Method, headers: &[(&str, &str)]) -> Parts {
+        let mut r = http::Request::builder().method(method).uri("/");
+        for (k, v) in headers {
+            r = r.header(*k, *v);
+        }
+        r.body(()).unwrap().into_parts().0
+    }
+
+    fn decide(limiter: &Limiter<MemoryStore<crate::clock::ManualClock>>, parts: &Parts) -> String {
+        match limiter.start(parts) {
+            Start::NoKey(n) => format!("no key {}", n.status.as_u16()),
+            Start::Unchecked { .. } => "unchecked".into(),
+            Start::Checking { check, .. } => match check.into_inner() {
+                Ok(d) => format!("allowed {}", d.allowed()),
+                Err(e) => format!("error {e}"),
+            },
+            Start::Resolving { .. } => "resolving".into(),
+        }
+    }
+
+    fn manual_store() -> MemoryStore<crate::clock::ManualClock> {
+        MemoryStore::with_clock(crate::clock::ManualClock::new())
+    }
+
+    /// A shadow rule never refuses: without a key it is skipped, whatever its `MissingKey`.
+    #[test]
+    fn a_shadow_rule_without_a_key_is_skipped() {
+        let limiter = Limiter::builder(manual_store())
+            .rule(Rule::new("global").policy(p(100)))
+            .rule(
+                Rule::new("candidate")
+                    .key(Header::from_static("x-api-key"))
+                    .policy(p(1))
+                    .shadow(),
+            )
+            .build()
+            .unwrap();
+        let parts = request(Method::GET, &[]);
+        assert_eq!(decide(&limiter, &parts), "allowed true");
+        let plan = limiter.plan(&parts).ok().unwrap();
+        assert!(plan.shadow.is_empty());
+        // With a key, it is planned as before.
+        let keyed = request(Method::GET, &[("x-api-key", "k")]);
+        assert_eq!(limiter.plan(&keyed).ok().unwrap().shadow.len(), 1);
+    }
+
+    /// A rule on GET applies to HEAD too (axum's `get` serves both), unless it asks for exact
+    /// methods.
+    #[test]
+    fn a_get_rule_counts_head() {
+        let build = |exact: bool| {
+            let mut rule = Rule::new("export").method(Method::GET).policy(p(1));
+            if exact {
+                rule = rule.exact_methods();
+            }
+            Limiter::builder(manual_store()).rule(rule).build().unwrap()
+        };
+        let limiter = build(false);
+        assert_eq!(
+            decide(&limiter, &request(Method::HEAD, &[])),
+            "allowed true"
+        );
+        assert_eq!(
+            decide(&limiter, &request(Method::HEAD, &[])),
+            "allowed false"
+        );
+        assert_eq!(
+            decide(&limiter, &request(Method::GET, &[])),
+            "allowed false"
+        );
+        assert_eq!(decide(&limiter, &request(Method::POST, &[])), "unchecked");
+        let exact = build(true);
+        assert_eq!(decide(&exact, &request(Method::HEAD, &[])), "unchecked");
+        assert_eq!(decide(&exact, &request(Method::GET, &[])), "allowed true");
+    }
+
+    /// Rule names may hold `:`, and keys anything: no two (rule, key) pairs share state.
+    #[test]
+    fn rules_and_keys_never_share_a_store_key() {
+        let key = |v: &'static str| move |_: &Parts| Some(v);
+        let limiter = Limiter::builder(manual_store())
+            .rule(Rule::new("a").key(key("b:c")).policy(p(1)))
+            .rule(Rule::new("a:b").key(key("c")).policy(p(1)))
+            .rule(Rule::new("x").key(key("y@z")).policy(p(1)))
+            .rule(Rule::new("z").key(key("x@y")).policy(p(1)))
+            .build()
+            .unwrap();
+        let parts = request(Method::GET, &[]);
+        let plan = limiter.plan(&parts).ok().unwrap();
+        let keys: Vec<&str> = plan.enforced.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(keys, ["b:c@a", "c@a:b", "y@z@x", "x@y@z"]);
+        // Each rule counts once: one request fits every limit of 1.
+        assert_eq!(decide(&limiter, &parts), "allowed true");
+        assert_eq!(decide(&limiter, &parts), "allowed false");
+    }
+
+    /// A store that refuses keys the limiter makes is refused at build time, not answered 503
+    /// per request.
+    #[test]
+    fn a_store_with_too_short_keys_is_refused_at_build() {
+        let short = MemoryStore::builder().max_key_len(MAX_KEY_LEN - 1).build();
+        let err = Limiter::builder(short)
+            .rule(Rule::new("a").policy(p(1)))
+            .build()
+            .unwrap_err();
+        assert_eq!(
+            err,
+            LimiterError::StoreKeyTooShort {
+                max: MAX_KEY_LEN - 1,
+                longest: MAX_KEY_LEN
+            }
+        );
+        assert!(err.to_string().contains("max_key_len"));
+        let enough = MemoryStore::builder().max_key_len(MAX_KEY_LEN).build();
+        assert!(
+            Limiter::builder(enough)
+                .rule(Rule::new("a").policy(p(1)))
+                .build()
+                .is_ok()
+        );
     }
 
     #[test]

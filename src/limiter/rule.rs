@@ -32,9 +32,9 @@ use crate::key::{Global, KeyExtractor};
 /// - **Shadow**: [`Rule::shadow`] decides and reports without ever refusing.
 ///
 /// The rule's name is shown to clients (it names the policies in the `RateLimit` fields
-/// unless the policies have names of their own) and prefixes its keys in the store, so two
-/// rules never share state by accident. Names are 1 to 64 characters of
-/// `a-z A-Z 0-9 - _ . :`.
+/// unless the policies have names of their own) and ends its keys in the store (`key@rule`),
+/// so two rules never share state, whatever their names and keys. Names are 1 to 64
+/// characters of `a-z A-Z 0-9 - _ . :`.
 ///
 /// ```
 /// use std::time::Duration;
@@ -63,6 +63,7 @@ use crate::key::{Global, KeyExtractor};
 pub struct Rule {
     pub(crate) name: String,
     pub(crate) methods: SmallVec<[Method; 2]>,
+    pub(crate) exact_methods: bool,
     pub(crate) route: Route,
     pub(crate) key: Box<dyn KeyExtractor>,
     pub(crate) policies: Vec<Policy>,
@@ -79,6 +80,7 @@ impl Rule {
         Self {
             name: name.into(),
             methods: SmallVec::new(),
+            exact_methods: false,
             route: Route::Any,
             key: Box::new(Global),
             policies: Vec::new(),
@@ -94,9 +96,17 @@ impl Rule {
         &self.name
     }
 
-    /// Only requests with this method (call again to add more methods).
+    /// Only requests with this method (call again to add more methods). A rule on `GET` also
+    /// applies to `HEAD`, which servers (axum's `get` among them) answer with the same handler;
+    /// see [`Rule::exact_methods`].
     pub fn method(mut self, method: Method) -> Self {
         self.methods.push(method);
+        self
+    }
+
+    /// Only the methods given, exactly: a rule on `GET` then does not apply to `HEAD`.
+    pub fn exact_methods(mut self) -> Self {
+        self.exact_methods = true;
         self
     }
 
@@ -172,7 +182,8 @@ impl Rule {
 
     /// Shadow mode: the rule is decided and reported (the
     /// [`ShadowRejection`](super::ShadowRejection) request extension, the limiter's
-    /// observer) but never refuses a request, and its fields are not sent to clients. Use it
+    /// observer) but never refuses a request, and its fields are not sent to clients: a request
+    /// it finds no key for skips it, whatever [`Rule::on_missing_key`] says. Use it
     /// to roll out a limit safely. Shadow rules are checked after the enforced ones, all or
     /// nothing among themselves, and only for requests the enforced rules admitted.
     pub fn shadow(mut self) -> Self {

@@ -906,6 +906,9 @@ impl<C: Clock> Store for MemoryStore<C> {
     fn check(&self, key: &str, policy: &Policy, cost: u64) -> Self::Future {
         MemoryStore::check(self, key, policy, cost)
     }
+    fn max_key_len(&self) -> Option<usize> {
+        Some(self.inner.max_key_len)
+    }
 }
 
 /// Configures a [`MemoryStore`]; made by [`MemoryStore::builder`].

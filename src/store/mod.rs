@@ -53,17 +53,46 @@ pub struct Check<'a> {
     key: &'a str,
     policy: &'a Policy,
     cost: u64,
+    /// How many bytes at the start of the key place it; the whole key unless set.
+    placed_by: usize,
 }
 
 impl<'a> Check<'a> {
     /// Checks `cost` units against `policy` for `key`.
     pub const fn new(key: &'a str, policy: &'a Policy, cost: u64) -> Self {
-        Self { key, policy, cost }
+        Self {
+            key,
+            policy,
+            cost,
+            placed_by: usize::MAX,
+        }
+    }
+
+    /// Only the first `len` bytes of the key decide where a store that places keys by their
+    /// text puts it (the Redis store under
+    /// [`KeySlots::UntilDelimiter`](crate::store::redis::KeySlots)); the rest tells keys apart
+    /// without moving them. The [`Limiter`](crate::limiter::Limiter) marks this way the key its
+    /// extractor found, before the rule's name (`acme/42@per-user` is placed by `acme/42`).
+    pub const fn placed_by(mut self, len: usize) -> Self {
+        self.placed_by = len;
+        self
+    }
+
+    /// The same check at another cost.
+    pub(crate) const fn with_cost(mut self, cost: u64) -> Self {
+        self.cost = cost;
+        self
     }
 
     /// The key.
     pub const fn key(&self) -> &'a str {
         self.key
+    }
+
+    /// The part of the key that places it (see [`Check::placed_by`]): the whole key unless
+    /// set, or if `len` is past its end or inside a character.
+    pub fn placement(&self) -> &'a str {
+        self.key.get(..self.placed_by).unwrap_or(self.key)
     }
 
     /// The policy.
@@ -117,10 +146,21 @@ pub trait Store: Send + Sync + 'static {
     fn check(&self, key: &str, policy: &Policy, cost: u64) -> Self::Future {
         self.check_all(&[Check::new(key, policy, cost)])
     }
+
+    /// The longest key this store decides, if it has a bound (longer keys get
+    /// [`StoreError::KeyTooLong`]). A [`Limiter`](crate::limiter::Limiter) refuses to be built
+    /// over a store whose bound is below the keys it makes.
+    fn max_key_len(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
     type Future = S::Future;
+
+    fn max_key_len(&self) -> Option<usize> {
+        (**self).max_key_len()
+    }
 
     fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
         (**self).check_all(checks)

@@ -20,7 +20,14 @@ pub enum KeySlots {
     #[default]
     PerKey,
     /// The key up to the first occurrence of the delimiter (or the whole key) picks the slot:
-    /// with `'|'`, `acme|user:42` and `acme|tenant` share one slot.
+    /// with `'|'`, `acme|user:42` and `acme|tenant` share one slot. Through a
+    /// [`Limiter`](crate::limiter::Limiter), the key is the one the rule's extractor found
+    /// (the rule's name the limiter adds does not count, see
+    /// [`Check::placed_by`](crate::Check::placed_by)): with `'/'`, a per-user rule keyed by
+    /// `Extension::<Tenant>::new().and(Extension::<User>::new())` (`acme/42`) and a per-tenant
+    /// rule keyed by `Extension::<Tenant>::new()` (`acme`) share one slot, and their stack is
+    /// decided by one script. A key the limiter hashed (longer than
+    /// [`MAX_KEY_LEN`](crate::key::MAX_KEY_LEN)) is placed by its hash.
     UntilDelimiter(char),
     /// Every key in one slot: every stacked check is atomic, and one Cluster node carries all
     /// the load.
@@ -78,9 +85,15 @@ impl KeyNames {
     /// printable ASCII, and `{ } % #`, as `%XX`) or, when that is longer than
     /// [`MAX_ESCAPED_LEN`], `#` and the SHA-256 of the raw key.
     pub(crate) fn name(&self, key: &str, policy: &Policy) -> String {
+        self.placed_name(key, key, policy)
+    }
+
+    /// [`KeyNames::name`], with the slot picked from `placement` (the start of `key` that
+    /// places it) under [`KeySlots::UntilDelimiter`].
+    pub(crate) fn placed_name(&self, key: &str, placement: &str, policy: &Policy) -> String {
         let tag_text = match &self.slots {
             KeySlots::PerKey => key,
-            KeySlots::UntilDelimiter(c) => key.split(*c).next().unwrap_or(key),
+            KeySlots::UntilDelimiter(c) => placement.split(*c).next().unwrap_or(placement),
             KeySlots::Single => "",
         };
         let tag = fnv1a(&[tag_text.as_bytes()]);

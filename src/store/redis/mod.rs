@@ -472,6 +472,9 @@ impl Store for RedisStore {
     fn check(&self, key: &str, policy: &Policy, cost: u64) -> Self::Future {
         RedisStore::check(self, key, policy, cost)
     }
+    fn max_key_len(&self) -> Option<usize> {
+        Some(self.inner.max_key_len)
+    }
 }
 
 fn supports(policy: &Policy, index: usize) -> Result<(), UnsupportedPolicy> {
@@ -613,7 +616,7 @@ impl Inner {
                             cost: c.cost().saturating_add(check.cost()),
                             limit: c.policy().limit(),
                         })?;
-                    *c = Check::new(c.key(), c.policy(), cost);
+                    *c = c.with_cost(cost);
                 }
                 None => merged.push((*check, index)),
             }
@@ -621,7 +624,9 @@ impl Inner {
         let local_now = self.local.now();
         let mut items = SmallVec::new();
         for (check, index) in merged {
-            let key = self.names.name(check.key(), check.policy());
+            let key = self
+                .names
+                .placed_name(check.key(), check.placement(), check.policy());
             let deny_hash = match &self.deny {
                 Some(_) => self.deny_hasher.hash_one(&key),
                 None => 0,
