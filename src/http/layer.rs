@@ -142,9 +142,11 @@ impl<St: Store> RateLimitLayerBuilder<St> {
         self
     }
 
-    /// The `Retry-After` of a 503 sent because the store failed (1 s by default).
+    /// The `Retry-After` of a 503 sent because the store failed (1 s by default). It is sent
+    /// in whole seconds, rounded up, and at least 1 s: `Retry-After: 0` would ask every
+    /// refused client to come back at once, while the store is down.
     pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
-        self.unavailable_retry_after = after;
+        self.unavailable_retry_after = after.max(Duration::from_secs(1));
         self
     }
 
@@ -207,6 +209,16 @@ mod tests {
     use super::*;
     use crate::key::Global;
     use crate::{MemoryStore, Policy, Rate};
+
+    /// A 503's `Retry-After` is never 0: that would send every refused client back at once.
+    #[test]
+    fn unavailable_retry_after_is_at_least_a_second() {
+        let builder = || RateLimitLayer::builder(MemoryStore::new());
+        for (set, sent) in [(0, 1000), (1, 1000), (1500, 1500), (5000, 5000)] {
+            let b = builder().unavailable_retry_after(Duration::from_millis(set));
+            assert_eq!(b.unavailable_retry_after, Duration::from_millis(sent));
+        }
+    }
 
     /// The joined `RateLimit-Policy` of all rules is used only when every rule applied.
     #[tokio::test]

@@ -137,6 +137,8 @@ fn unix_now() -> u64 {
 /// the value then takes over without a copy.
 #[inline(always)]
 fn status_value(item: &str, r: u64, t: u64) -> Option<HeaderValue> {
+    use crate::limiter::SF_INTEGER_MAX;
+    let (r, t) = (r.min(SF_INTEGER_MAX), t.min(SF_INTEGER_MAX));
     let mut r_digits = itoa::Buffer::new();
     let r = r_digits.format(r).as_bytes();
     let mut t_digits = itoa::Buffer::new();
@@ -404,7 +406,13 @@ fn grpc_response(r: &Rejection<'_>) -> Response<Bytes> {
     };
     let mut response = Response::new(Bytes::new());
     let headers = response.headers_mut();
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    // gRPC-Web clients expect their own content type back (`application/grpc-web`,
+    // `application/grpc-web-text`, with any `+proto` suffix).
+    let content_type = match r.parts.headers.get(CONTENT_TYPE) {
+        Some(v) if starts_with_ignore_case(v.as_bytes(), b"application/grpc-web") => v.clone(),
+        _ => HeaderValue::from_static("application/grpc"),
+    };
+    headers.insert(CONTENT_TYPE, content_type);
     headers.insert(GRPC_STATUS, HeaderValue::from(u16::from(code)));
     if let Ok(v) = HeaderValue::from_str(&percent_encode(&message)) {
         headers.insert(GRPC_MESSAGE, v);
@@ -419,17 +427,31 @@ fn grpc_response(r: &Rejection<'_>) -> Response<Bytes> {
     response
 }
 
-/// The gRPC code closest to an HTTP status (as gRPC's HTTP mapping has it).
+/// The gRPC code that means what an HTTP status a rule refuses with means. This is not gRPC's
+/// HTTP-to-gRPC table (`http-grpc-status-mapping.md`), which tells a client what to make of an
+/// HTTP error from a proxy that sent no gRPC status, and maps 404 to `UNIMPLEMENTED` and 429 to
+/// `UNAVAILABLE`: here the server chose the status on purpose, and the code says the same.
 fn grpc_code_for(status: StatusCode) -> u8 {
     match status.as_u16() {
-        400 => 3,  // INVALID_ARGUMENT
-        401 => 16, // UNAUTHENTICATED
-        403 => 7,  // PERMISSION_DENIED
-        404 => 12, // UNIMPLEMENTED
-        429 => 8,  // RESOURCE_EXHAUSTED
-        502..=504 => 14,
-        _ => 13, // INTERNAL
+        400 => 3,        // INVALID_ARGUMENT
+        401 => 16,       // UNAUTHENTICATED
+        403 => 7,        // PERMISSION_DENIED
+        404 => 5,        // NOT_FOUND
+        409 => 10,       // ABORTED
+        412 => 9,        // FAILED_PRECONDITION
+        429 => 8,        // RESOURCE_EXHAUSTED
+        499 => 1,        // CANCELLED
+        501 => 12,       // UNIMPLEMENTED
+        502 | 503 => 14, // UNAVAILABLE
+        504 => 4,        // DEADLINE_EXCEEDED
+        _ => 13,         // INTERNAL
     }
+}
+
+fn starts_with_ignore_case(bytes: &[u8], prefix: &[u8]) -> bool {
+    bytes
+        .get(..prefix.len())
+        .is_some_and(|start| start.eq_ignore_ascii_case(prefix))
 }
 
 /// `grpc-message` is percent-encoded UTF-8.
@@ -461,13 +483,14 @@ fn json_string(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// Whether a request is gRPC.
+/// Whether a request is gRPC or gRPC-Web (`application/grpc...`; media types are
+/// case-insensitive).
 #[inline]
 pub(crate) fn is_grpc(parts: &Parts) -> bool {
     parts
         .headers
         .get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+        .is_some_and(|v| starts_with_ignore_case(v.as_bytes(), b"application/grpc"))
 }
 
 #[cfg(test)]
@@ -482,6 +505,60 @@ mod tests {
         assert_eq!(s, r#""a\"b\\c\u0001""#);
         assert_eq!(grpc_code_for(StatusCode::UNAUTHORIZED), 16);
         assert_eq!(grpc_code_for(StatusCode::INTERNAL_SERVER_ERROR), 13);
+        assert_eq!(grpc_code_for(StatusCode::NOT_FOUND), 5);
+        assert_eq!(grpc_code_for(StatusCode::GATEWAY_TIMEOUT), 4);
+        assert_eq!(grpc_code_for(StatusCode::SERVICE_UNAVAILABLE), 14);
+        assert_eq!(grpc_code_for(StatusCode::NOT_IMPLEMENTED), 12);
+    }
+
+    /// Integers past Structured Fields' 15 digits are sent as the largest one.
+    #[test]
+    fn field_integers_fit_structured_fields() {
+        let value = status_value("\"p\";r=", u64::MAX, u64::MAX).unwrap();
+        assert_eq!(value, "\"p\";r=999999999999999;t=999999999999999");
+        let value = status_value("\"p\";r=", 999_999_999_999_999, 7).unwrap();
+        assert_eq!(value, "\"p\";r=999999999999999;t=7");
+    }
+
+    /// gRPC and gRPC-Web are recognised whatever the case of the media type, and a gRPC-Web
+    /// request is answered in its own content type.
+    #[test]
+    fn grpc_web_is_answered_in_its_own_content_type() {
+        let answer = |content_type: &str| {
+            let parts = http::Request::post("/svc/Method")
+                .header(CONTENT_TYPE, content_type)
+                .body(())
+                .unwrap()
+                .into_parts()
+                .0;
+            let rejection = Rejection {
+                kind: RejectionKind::Unavailable,
+                parts: &parts,
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                decision: None,
+                rule: None,
+                policy: None,
+                window: None,
+                retry_after: None,
+                error: None,
+            };
+            assert!(rejection.is_grpc(), "{content_type}");
+            let response = grpc_response(&rejection);
+            response.headers()[CONTENT_TYPE]
+                .to_str()
+                .unwrap()
+                .to_owned()
+        };
+        assert_eq!(answer("application/grpc"), "application/grpc");
+        assert_eq!(answer("Application/GRPC+proto"), "application/grpc");
+        assert_eq!(
+            answer("application/grpc-web+proto"),
+            "application/grpc-web+proto"
+        );
+        assert_eq!(
+            answer("Application/gRPC-Web-Text"),
+            "Application/gRPC-Web-Text"
+        );
     }
 
     #[test]

@@ -59,7 +59,7 @@ mod plan;
 mod rule;
 mod tier;
 
-pub(crate) use plan::{Applied, NoKey, Plan, ShadowPlan, Start, field_value};
+pub(crate) use plan::{Applied, NoKey, Plan, SF_INTEGER_MAX, ShadowPlan, Start, field_value};
 pub use plan::{Limiter, LimiterBuilder, LimiterError, ShadowRejection};
 pub use rule::{MissingKey, Rule};
 pub(crate) use tier::Resolving;

@@ -277,6 +277,11 @@ pub(crate) const MAX_INTERNED: usize = 4096;
 /// The longest `RateLimit-Policy` text kept for the life of the process.
 pub(crate) const MAX_INTERNED_LEN: usize = 1024;
 
+/// The largest integer a Structured Field may carry (15 digits, RFC 8941): a `q`, `w`, `r`
+/// or `t` above it is sent as this value, so that strict parsers accept the fields of an
+/// "unlimited" policy (`Policy::fixed_window(u64::MAX, ..)`).
+pub(crate) const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
+
 /// The policies a rule applies (for one tier), with the names clients see.
 pub(crate) struct PolicySet {
     pub(crate) policies: Box<[Policy]>,
@@ -400,7 +405,9 @@ impl PolicySet {
                 field.push_str(", ");
             }
             let window = policy.window().as_nanos().div_ceil(1_000_000_000).max(1);
-            let _ = write!(field, "\"{name}\";q={};w={window}", policy.limit());
+            let quota = policy.limit().min(SF_INTEGER_MAX);
+            let window = u64::try_from(window).map_or(SF_INTEGER_MAX, |w| w.min(SF_INTEGER_MAX));
+            let _ = write!(field, "\"{name}\";q={quota};w={window}");
         }
         let field_value = field_value(&field)
             .ok_or_else(|| LimiterError::InvalidRuleName(rule.chars().take(80).collect()))?;
@@ -937,6 +944,15 @@ mod tests {
             .build()
             .unwrap();
         assert_eq!(&*limiter.set(0, 0).field, "\"one\";q=10;w=60");
+        // An "unlimited" policy: the quota is sent as the largest Structured Field integer.
+        let unlimited = Limiter::builder(MemoryStore::new())
+            .rule(Rule::new("free").policy(p(u64::MAX)))
+            .build()
+            .unwrap();
+        assert_eq!(
+            &*unlimited.set(0, 0).field,
+            "\"free\";q=999999999999999;w=60"
+        );
         assert_eq!(
             &*limiter.set(1, 0).field,
             "\"two.0\";q=5;w=60, \"burst\";q=4;w=2"
