@@ -26,7 +26,9 @@ pub const DEFAULT_TIER_CACHE_CAPACITY: usize = 100_000;
 /// A resolver that fails should answer `None` (or the tier it wants to fall back to).
 ///
 /// Any `Fn(String) -> impl Future<Output = Option<String>>` is a resolver; it gets the key the
-/// rule's extractor found.
+/// rule's extractor found, as its [`Key`](crate::key::Key) text reads: a `%` in it is `%25`,
+/// and with [`or`](crate::key::KeyExtractor::or) the fallback branch's keys start with `%|1|`
+/// (so an API key is never mistaken for the address a request without one is keyed by).
 ///
 /// ```
 /// use tollgate::limiter::TierResolver;
