@@ -7,7 +7,8 @@
 //!   with an exact `retry_after`.
 //! - [`store`]: the [`Store`] trait, the stores, and [`store::ResilientStore`] (timeouts, circuit
 //!   breaker, fail open / closed / local fallback).
-//! - [`key`], [`limiter`], [`http`]: keys from requests, rules and tiers, and the layer.
+//! - [`key`], [`limiter`], [`http`]: keys from requests, rules and tiers, and the layer;
+//!   [`answer`]: how every layer answers a refused request.
 //! - [`algorithm`]: the pure state machines; [`clock`]: time.
 //!
 //! ```
@@ -33,6 +34,7 @@
 pub struct ReadmeDoctests;
 
 pub mod algorithm;
+pub mod answer;
 pub mod clock;
 mod decision;
 pub mod http;

@@ -14,9 +14,9 @@ use pin_project_lite::pin_project;
 use smallvec::SmallVec;
 use tower_service::Service;
 
-use super::body::RefusalBody;
 use super::layer::Shared;
-use super::response::{FieldValues, HeaderProfile, Rejection, RejectionKind};
+use crate::answer::RefusalBody;
+use crate::answer::{FieldValues, HeaderProfile, Rejection, RejectionKind};
 use crate::limiter::{Applied, NoKey, Plan, ShadowPlan, ShadowRejection, Start};
 use crate::{Decision, Store, StoreError};
 

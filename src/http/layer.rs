@@ -7,9 +7,9 @@ use std::time::Duration;
 use http::HeaderValue;
 use tower_layer::Layer;
 
-use super::response::{DefaultResponder, HeaderProfile, ResetFormat, Responder};
 use super::service::RateLimit;
 use crate::Store;
+use crate::answer::{DefaultResponder, HeaderProfile, ResetFormat, Responder};
 use crate::limiter::{Limiter, LimiterBuilder, LimiterError, Rule, ShadowRejection};
 
 /// The default `Retry-After` of a 503 sent because the store could not decide.

@@ -81,36 +81,16 @@
 //! # }
 //! ```
 
-mod body;
 mod future;
 mod layer;
-mod response;
 mod service;
 
-pub use body::{RefusalBody, ResponseBody};
+pub use crate::answer::{
+    DefaultResponder, GRPC_MESSAGE, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, HeaderProfile,
+    QUOTA_EXCEEDED_TYPE, RATELIMIT, RATELIMIT_POLICY, RefusalBody, Rejection, RejectionKind,
+    ResetFormat, Responder, ResponseBody, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING,
+    X_RATELIMIT_RESET,
+};
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_UNAVAILABLE_RETRY_AFTER, RateLimitLayer, RateLimitLayerBuilder};
-pub use response::{
-    DefaultResponder, HeaderProfile, QUOTA_EXCEEDED_TYPE, Rejection, RejectionKind, ResetFormat,
-    Responder,
-};
 pub use service::RateLimit;
-
-use http::HeaderName;
-
-/// `RateLimit` (draft-ietf-httpapi-ratelimit-headers): the policy closest to exhaustion.
-pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
-/// `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers): the policies that applied.
-pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
-/// `X-RateLimit-Limit` (legacy profile).
-pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
-/// `X-RateLimit-Remaining` (legacy profile).
-pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
-/// `X-RateLimit-Reset` (legacy profile).
-pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
-/// `grpc-status`.
-pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
-/// `grpc-message`.
-pub const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
-/// `grpc-retry-pushback-ms`: how long a gRPC client should wait before retrying.
-pub const GRPC_RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");

@@ -7,10 +7,10 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use super::body::RefusalBody;
 use super::future::ResponseFuture;
 use super::layer::Shared;
 use crate::Store;
+use crate::answer::RefusalBody;
 
 /// The rate-limiting service made by [`RateLimitLayer`](super::RateLimitLayer).
 ///

@@ -1,4 +1,30 @@
-//! Answers: the rate-limit fields, and the responses to refused requests (HTTP and gRPC).
+//! Answers: the rate-limit fields, and the responses to refused requests (HTTP and gRPC), one
+//! path that every layer of the crate answers through, so that a client sees one protocol
+//! whichever layer refused it.
+//!
+//! - [`Rejection`] is everything a refusal's answer needs (why, status, decision, rule and
+//!   policy, retry time); [`Responder`] turns it into a response, [`DefaultResponder`] the
+//!   usual way: `429` or `503` with `Retry-After`, `Cache-Control: no-store` and an RFC 9457
+//!   problem body, or for gRPC HTTP 200 with `grpc-status` and `grpc-retry-pushback-ms`.
+//! - [`HeaderProfile`] and [`ResetFormat`] choose the rate-limit fields of a response.
+//! - [`RefusalBody`] lets a layer answer in the inner service's own body type.
+//!
+//! The names are also exported from [`http`](crate::http), where they first lived.
+//!
+//! ```
+//! use std::time::Duration;
+//! use http::StatusCode;
+//! use tollgate::answer::{DefaultResponder, Responder};
+//!
+//! // What the rate-limit layer sends a client it refuses (see `tollgate::http` for the layer).
+//! # let _ = (DefaultResponder, Duration::ZERO, StatusCode::OK);
+//! assert_eq!(tollgate::answer::RATELIMIT.as_str(), "ratelimit");
+//! assert_eq!(tollgate::answer::GRPC_RETRY_PUSHBACK_MS.as_str(), "grpc-retry-pushback-ms");
+//! ```
+
+mod body;
+
+pub use body::{RefusalBody, ResponseBody};
 
 use std::fmt::{self, Write as _};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -8,11 +34,26 @@ use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::request::Parts;
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 
-use super::{
-    GRPC_MESSAGE, GRPC_RETRY_PUSHBACK_MS, GRPC_STATUS, RATELIMIT, RATELIMIT_POLICY,
-    X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET,
-};
+use http::HeaderName;
+
 use crate::{Decision, StoreError};
+
+/// `RateLimit` (draft-ietf-httpapi-ratelimit-headers): the policy closest to exhaustion.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+/// `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers): the policies that applied.
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `X-RateLimit-Limit` (legacy profile).
+pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
+/// `X-RateLimit-Remaining` (legacy profile).
+pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
+/// `X-RateLimit-Reset` (legacy profile).
+pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
+/// `grpc-status`.
+pub const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+/// `grpc-message`.
+pub const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+/// `grpc-retry-pushback-ms`: how long a gRPC client should wait before retrying.
+pub const GRPC_RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
 
 /// The problem type of a refused request (RFC 9457), registered by the IETF RateLimit fields
 /// draft.
@@ -260,7 +301,7 @@ impl<'a> Rejection<'a> {
 /// ```
 /// use bytes::Bytes;
 /// use http::Response;
-/// use tollgate::http::{DefaultResponder, Rejection, RejectionKind, Responder};
+/// use tollgate::answer::{DefaultResponder, Rejection, RejectionKind, Responder};
 ///
 /// let plain_text = |rejection: &Rejection<'_>| {
 ///     if rejection.is_grpc() || rejection.kind() != RejectionKind::Limited {

@@ -1,4 +1,4 @@
-//! The bodies the layer answers refused requests with.
+//! The bodies the layers answer refused requests with.
 
 use std::convert::Infallible;
 use std::fmt;
@@ -13,10 +13,10 @@ use pin_project_lite::pin_project;
 
 /// A response body type that can carry the layer's answer to a refused request.
 ///
-/// [`RateLimit`](super::RateLimit) answers with the inner service's own body type: an admitted
-/// response passes through untouched (axum, for one, would box any other body type once more
-/// on every response), and a refusal's body (a problem+json document, or nothing for gRPC) is
-/// made with [`RefusalBody::refusal`].
+/// [`RateLimit`](crate::http::RateLimit), like every layer of the crate, answers with the
+/// inner service's own body type: an admitted response passes through untouched (axum, for
+/// one, would box any other body type once more on every response), and a refusal's body (a
+/// problem+json document, or nothing for gRPC) is made with [`RefusalBody::refusal`].
 ///
 /// Implemented for axum's body (feature `axum`), tonic's (feature `tonic`),
 /// `http_body_util::Full<Bytes>`, `BoxBody<Bytes, E>`, `UnsyncBoxBody<Bytes, E>`, `String`,
