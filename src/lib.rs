@@ -9,6 +9,8 @@
 //!   breaker, fail open / closed / local fallback).
 //! - [`key`], [`limiter`], [`http`]: keys from requests, rules and tiers, and the layer;
 //!   [`answer`]: how every layer answers a refused request.
+//! - [`concurrency`]: [`ConcurrencyLimitLayer`], at most so many requests in flight per key
+//!   (a permit held until the response body ends), and in all.
 //! - [`algorithm`]: the pure state machines; [`clock`]: time.
 //!
 //! ```
@@ -36,6 +38,7 @@ pub struct ReadmeDoctests;
 pub mod algorithm;
 pub mod answer;
 pub mod clock;
+pub mod concurrency;
 mod decision;
 pub mod http;
 pub mod key;
@@ -44,6 +47,7 @@ mod policy;
 pub mod store;
 
 pub use self::http::RateLimitLayer;
+pub use concurrency::ConcurrencyLimitLayer;
 pub use decision::Decision;
 pub use policy::{Algorithm, MAX_NAME_LEN, MAX_SLIDING_LOG_LIMIT, Policy, PolicyError, Rate};
 #[cfg(feature = "redis")]

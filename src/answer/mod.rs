@@ -60,6 +60,12 @@ pub const GRPC_RETRY_PUSHBACK_MS: HeaderName = HeaderName::from_static("grpc-ret
 pub const QUOTA_EXCEEDED_TYPE: &str =
     "https://iana.org/assignments/http-problem-types#quota-exceeded";
 
+/// The problem type of a request refused because its key has too many requests in flight
+/// ([`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer)). No such type is registered, so
+/// this one points at its documentation.
+pub const TOO_MANY_IN_FLIGHT_TYPE: &str =
+    "https://docs.rs/tollgate/latest/tollgate/concurrency/index.html#too-many-requests-in-flight";
+
 const QUOTA_EXCEEDED_TITLE: &str =
     "Request cannot be satisfied as assigned quota has been exceeded";
 
@@ -211,6 +217,12 @@ pub enum RejectionKind {
     /// A rule found no key for it and is configured to refuse such requests
     /// ([`MissingKey::Reject`](crate::limiter::MissingKey::Reject)).
     NoKey,
+    /// Its key already had as many requests in flight as its rule allows: 429 (gRPC
+    /// `RESOURCE_EXHAUSTED`), the client's own doing.
+    TooManyInFlight,
+    /// The service as a whole had no capacity left (a total in-flight cap, load shedding): 503
+    /// (gRPC `UNAVAILABLE`), not the client's doing.
+    Overloaded,
 }
 
 /// Everything a [`Responder`] needs to answer a refused request.
@@ -389,6 +401,27 @@ fn problem_response(r: &Rejection<'_>) -> Response<Bytes> {
                 status.as_u16()
             );
         }
+        RejectionKind::TooManyInFlight => {
+            let secs = r.retry_after_secs().unwrap_or(1);
+            body.push_str("{\"type\":");
+            json_string(&mut body, TOO_MANY_IN_FLIGHT_TYPE);
+            body.push_str(",\"title\":\"Too many requests in flight\"");
+            let _ = write!(body, ",\"status\":{},\"detail\":", status.as_u16());
+            let detail = format!(
+                "Rule \"{}\" allows no more requests in flight for this client; retry in {secs} s.",
+                r.rule.unwrap_or("")
+            );
+            json_string(&mut body, &detail);
+            let _ = write!(body, ",\"retry-after\":{secs}}}");
+        }
+        RejectionKind::Overloaded => {
+            let secs = r.retry_after_secs().unwrap_or(1);
+            let _ = write!(
+                body,
+                "{{\"type\":\"about:blank\",\"title\":\"{reason}\",\"status\":{},\"detail\":\"The service is at capacity; retry in {secs} s.\",\"retry-after\":{secs}}}",
+                status.as_u16()
+            );
+        }
         RejectionKind::NoKey => {
             let _ = write!(
                 body,
@@ -437,6 +470,15 @@ fn grpc_response(r: &Rejection<'_>) -> Response<Bytes> {
             ),
         ),
         RejectionKind::Unavailable => (14, "the rate limiter cannot decide right now".into()),
+        RejectionKind::TooManyInFlight => (
+            8,
+            format!(
+                "too many requests in flight (rule \"{}\"); retry in {} s",
+                r.rule.unwrap_or(""),
+                r.retry_after_secs().unwrap_or(1)
+            ),
+        ),
+        RejectionKind::Overloaded => (14, "the service is at capacity".into()),
         RejectionKind::NoKey => (
             grpc_code_for(r.status),
             format!(

@@ -148,7 +148,7 @@ impl<St> fmt::Debug for LimiterBuilder<St> {
     }
 }
 
-fn valid_name(name: &str) -> bool {
+pub(crate) fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= MAX_NAME_LEN
         && name
@@ -341,11 +341,7 @@ impl CompiledRule {
                 (sets, Some(tiers.into_resolved(default)))
             }
         };
-        let mut methods = rule.methods;
-        if !rule.exact_methods && methods.contains(&Method::GET) && !methods.contains(&Method::HEAD)
-        {
-            methods.push(Method::HEAD);
-        }
+        let methods = super::rule::effective_methods(rule.methods, rule.exact_methods);
         Ok(CompiledRule {
             suffix: format!("@{name}").into(),
             name,
@@ -815,7 +811,7 @@ pub(crate) fn store_key(rule: &str, key: &Key) -> Key {
 /// `%#`, the first 128 bits of the SHA-256 of `key` in hex, and `suffix`: the same in every
 /// process and every build (instances that share a Redis agree on it), and no client can steer
 /// two keys into one hash. No key text spells `%#`.
-fn hashed_key(key: &str, suffix: &str) -> Key {
+pub(crate) fn hashed_key(key: &str, suffix: &str) -> Key {
     use sha2::{Digest, Sha256};
     let digest = Sha256::digest(key.as_bytes());
     let mut out = Key::new();

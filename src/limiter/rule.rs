@@ -227,6 +227,17 @@ impl Default for MissingKey {
     }
 }
 
+/// The methods a rule matches: those given, and `HEAD` with `GET` unless `exact`.
+pub(crate) fn effective_methods(
+    mut methods: SmallVec<[Method; 2]>,
+    exact: bool,
+) -> SmallVec<[Method; 2]> {
+    if !exact && methods.contains(&Method::GET) && !methods.contains(&Method::HEAD) {
+        methods.push(Method::HEAD);
+    }
+    methods
+}
+
 /// Which requests a rule matches, by path.
 #[derive(Clone, Debug)]
 pub(crate) enum Route {

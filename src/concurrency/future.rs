@@ -1,0 +1,83 @@
+//! The response future: the inner call with its permit, or a ready answer.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http::Response;
+use pin_project_lite::pin_project;
+
+use super::body::PermitBody;
+use super::layer::Permit;
+use crate::answer::RefusalBody;
+
+pin_project! {
+    /// The response future of [`ConcurrencyLimit`](super::ConcurrencyLimit). Dropping it
+    /// before it is done (the client went away, a timeout fired) gives the permit back at
+    /// once.
+    pub struct ResponseFuture<F, B> {
+        #[pin]
+        state: State<F, B>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<F, B> {
+        Called { #[pin] future: F, permit: Option<Permit> },
+        Refused { response: Option<Response<B>> },
+    }
+}
+
+impl<F, B> ResponseFuture<F, B> {
+    pub(crate) fn called(future: F, permit: Permit) -> Self {
+        Self {
+            state: State::Called {
+                future,
+                permit: Some(permit),
+            },
+        }
+    }
+
+    pub(crate) fn refused(response: Response<B>) -> Self {
+        Self {
+            state: State::Refused {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+    B: RefusalBody,
+{
+    type Output = Result<Response<PermitBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            StateProj::Called { future, permit } => {
+                let result = ready!(future.poll(cx));
+                // An error gives the permit back here; a response hands it to its body.
+                let permit = permit.take();
+                Poll::Ready(result.map(|response| response.map(|b| PermitBody::new(b, permit))))
+            }
+            StateProj::Refused { response } => Poll::Ready(Ok(response
+                .take()
+                .map(|r| r.map(|b| PermitBody::new(b, None)))
+                // Polled again after its answer: an empty one.
+                .unwrap_or_else(|| {
+                    Response::new(PermitBody::new(B::refusal(Bytes::new()), None))
+                }))),
+        }
+    }
+}
+
+impl<F, B> fmt::Debug for ResponseFuture<F, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}

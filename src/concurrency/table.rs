@@ -1,0 +1,119 @@
+//! Requests in flight per key: an entry exists only while its count is above zero, so memory
+//! follows the requests in flight, not the keys ever seen.
+
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+use parking_lot::Mutex;
+
+use crate::key::Key;
+
+/// Shards of the table: enough that cores rarely meet on one lock.
+const SHARDS: usize = 32;
+
+/// One shard: each key with requests in flight, and how many.
+type Shard = Mutex<HashTable<(Key, u32)>>;
+
+pub(crate) struct InFlight {
+    shards: Box<[Shard]>,
+    hasher: foldhash::fast::RandomState,
+}
+
+impl InFlight {
+    pub(crate) fn new() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
+            hasher: foldhash::fast::RandomState::default(),
+        }
+    }
+
+    pub(crate) fn hash(&self, key: &str) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    fn shard(&self, hash: u64) -> &Shard {
+        // The table itself uses the low and the top bits; the shard takes others.
+        let index = usize::try_from(hash >> 40).unwrap_or(0) % self.shards.len();
+        &self.shards[index]
+    }
+
+    /// Takes a place for `key` if it has fewer than `max` in flight; whether it did. A key
+    /// already in flight takes its place without allocating.
+    pub(crate) fn acquire(&self, hash: u64, key: &Key, max: u32) -> bool {
+        let mut table = self.shard(hash).lock();
+        if let Some((_, n)) = table.find_mut(hash, |(k, _)| k == key) {
+            if *n >= max {
+                return false;
+            }
+            *n += 1;
+            return true;
+        }
+        if max == 0 {
+            return false;
+        }
+        table.insert_unique(hash, (key.clone(), 1), |(k, _)| {
+            self.hasher.hash_one(k.as_str())
+        });
+        true
+    }
+
+    /// Gives a place of `key` back; the entry goes when its count reaches zero.
+    pub(crate) fn release(&self, hash: u64, key: &Key) {
+        let mut table = self.shard(hash).lock();
+        if let Ok(mut entry) = table.find_entry(hash, |(k, _)| k == key) {
+            let n = &mut entry.get_mut().1;
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                entry.remove();
+            }
+        }
+    }
+
+    /// The requests in flight for `key`.
+    pub(crate) fn count(&self, key: &str) -> u32 {
+        let hash = self.hash(key);
+        self.shard(hash)
+            .lock()
+            .find(hash, |(k, _)| k.as_str() == key)
+            .map_or(0, |(_, n)| *n)
+    }
+
+    /// The keys with requests in flight.
+    pub(crate) fn keys(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    /// All requests in flight, over every key.
+    pub(crate) fn total(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.lock().iter().map(|(_, n)| u64::from(*n)).sum::<u64>())
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_live_while_counts_are_above_zero() {
+        let t = InFlight::new();
+        let key = Key::from("k");
+        let h = t.hash(key.as_str());
+        assert!(t.acquire(h, &key, 2));
+        assert!(t.acquire(h, &key, 2));
+        assert!(!t.acquire(h, &key, 2));
+        assert_eq!((t.count("k"), t.keys(), t.total()), (2, 1, 2));
+        t.release(h, &key);
+        assert!(t.acquire(h, &key, 2));
+        t.release(h, &key);
+        t.release(h, &key);
+        assert_eq!((t.count("k"), t.keys(), t.total()), (0, 0, 0));
+        // A release with nothing in flight changes nothing; a limit of zero admits nothing.
+        t.release(h, &key);
+        assert_eq!(t.keys(), 0);
+        assert!(!t.acquire(h, &key, 0));
+        assert_eq!(t.keys(), 0);
+    }
+}

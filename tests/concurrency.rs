@@ -1,0 +1,452 @@
+//! The concurrency limit: a permit per request, held until the response body ends, given back
+//! on every path (completion, error, panic, cancellation), and Little's law under a slowdown.
+//! Paused tokio time and simulated services only: no real sleeps.
+
+use std::convert::Infallible;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use http_body_util::combinators::UnsyncBoxBody;
+use tollgate::ConcurrencyLimitLayer;
+use tollgate::concurrency::ConcurrencyError;
+use tollgate::key::{Global, Header};
+use tollgate::limiter::{MissingKey, Rule};
+use tower::{Layer, Service, ServiceExt};
+
+type TestBody = UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// A body of `n` data frames.
+struct Frames(u8);
+
+impl Body for Frames {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.0 == 0 {
+            return Poll::Ready(None);
+        }
+        self.0 -= 1;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"chunk")))))
+    }
+}
+
+fn frames(n: u8) -> TestBody {
+    Frames(n).boxed_unsync()
+}
+
+fn request(user: &str, path: &str) -> Request<String> {
+    Request::get(path)
+        .header("x-user", user)
+        .body(String::new())
+        .unwrap()
+}
+
+fn per_user(max: u32) -> ConcurrencyLimitLayer {
+    ConcurrencyLimitLayer::builder()
+        .rule(
+            Rule::new("per-user").key(Header::from_static("x-user")),
+            max,
+        )
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_permit_lives_until_the_body_ends() {
+    let limits = per_user(1);
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(3)))
+    }));
+    let response = service.clone().oneshot(request("a", "/")).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    // The handler has returned; the body has not been sent: still in flight.
+    assert_eq!(limits.in_flight("per-user", "a"), 1);
+    let refused = service.clone().oneshot(request("a", "/")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let mut body = response.into_body();
+    for _ in 0..3 {
+        assert!(body.frame().await.is_some());
+        assert_eq!(limits.in_flight("per-user", "a"), 1, "until the last byte");
+    }
+    assert!(body.frame().await.is_none());
+    assert!(!body.holds_permit());
+    assert_eq!(limits.in_flight("per-user", "a"), 0);
+    assert_eq!(limits.tracked_keys(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancellation_errors_and_panics_give_the_permit_back() {
+    let limits = per_user(1);
+    let service = limits.layer(tower::service_fn(|r: Request<String>| {
+        if r.uri().path() == "/panic-in-call" {
+            panic!("the inner service panicked in call");
+        }
+        async move {
+            match r.uri().path() {
+                "/slow" => {
+                    tokio::time::sleep(Duration::from_secs(3600)).await;
+                    Ok(Response::new(frames(1)))
+                }
+                "/error" => Err(std::io::Error::other("inner failure")),
+                "/panic" => panic!("the inner service panicked"),
+                _ => Ok(Response::new(frames(1))),
+            }
+        }
+    }));
+    // Cancelled: the client went away before the answer.
+    let mut slow = service.clone();
+    let pending = slow.call(request("a", "/slow"));
+    assert_eq!(limits.in_flight("per-user", "a"), 1);
+    drop(pending);
+    assert_eq!(limits.in_flight("per-user", "a"), 0);
+    // A timeout around it.
+    let timed_out = tokio::time::timeout(
+        Duration::from_secs(1),
+        service.clone().oneshot(request("a", "/slow")),
+    )
+    .await;
+    assert!(timed_out.is_err());
+    assert_eq!(limits.in_flight("per-user", "a"), 0);
+    // An error.
+    assert!(
+        service
+            .clone()
+            .oneshot(request("a", "/error"))
+            .await
+            .is_err()
+    );
+    assert_eq!(limits.in_flight("per-user", "a"), 0);
+    // A panic while polled, on a task of its own.
+    let task = tokio::spawn(service.clone().oneshot(request("a", "/panic")));
+    assert!(task.await.unwrap_err().is_panic());
+    assert_eq!(limits.in_flight("per-user", "a"), 0);
+    // A panic inside `call` itself.
+    let mut s = service.clone();
+    let called = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        drop(s.call(request("a", "/panic-in-call")));
+    }));
+    assert!(called.is_err());
+    assert_eq!(limits.in_flight("per-user", "a"), 0);
+    assert_eq!(limits.tracked_keys(), 0);
+    // And the key works as before.
+    let ok = service.clone().oneshot(request("a", "/")).await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+}
+
+/// A small deterministic generator (xorshift64*), so a failure replays.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n
+    }
+}
+
+/// 10,000 random steps of starting, finishing, cancelling and panicking requests and of
+/// reading and dropping bodies: after every step the places held equal the admitted requests
+/// still alive, no limit is ever passed, and at the end every count is back at zero.
+#[tokio::test(start_paused = true)]
+async fn random_mixes_leave_every_count_at_zero() {
+    let limits = ConcurrencyLimitLayer::builder()
+        .rule(Rule::new("per-user").key(Header::from_static("x-user")), 3)
+        .rule(Rule::new("exports").path_prefix("/export").key(Global), 4)
+        .total(8)
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|r: Request<String>| {
+        let outcome = r.headers()["x-outcome"].to_str().unwrap().to_owned();
+        if outcome == "panic-in-call" {
+            panic!("panic in call");
+        }
+        async move {
+            match outcome.as_str() {
+                "error" => Err(std::io::Error::other("failed")),
+                "panic" => panic!("panic while polled"),
+                "slow" => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    Ok(Response::new(frames(2)))
+                }
+                "hang" => std::future::pending().await,
+                _ => Ok(Response::new(frames(3))),
+            }
+        }
+    }));
+    type Pending = Pin<
+        Box<
+            dyn std::future::Future<
+                    Output = Result<
+                        Response<tollgate::concurrency::PermitBody<TestBody>>,
+                        std::io::Error,
+                    >,
+                > + Send,
+        >,
+    >;
+    let mut futures: Vec<(Pending, bool)> = Vec::new();
+    let mut bodies: Vec<tollgate::concurrency::PermitBody<TestBody>> = Vec::new();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let users = ["u0", "u1", "u2", "u3"];
+    let outcomes = [
+        "ok",
+        "ok",
+        "ok",
+        "slow",
+        "error",
+        "panic",
+        "hang",
+        "panic-in-call",
+    ];
+    let (mut admitted, mut refused) = (0, 0);
+    for step in 0..10_000 {
+        match rng.below(6) {
+            0 | 1 => {
+                let path = if rng.below(2) == 0 { "/export/x" } else { "/" };
+                let mut r = request(users[rng.below(users.len())], path);
+                let outcome = outcomes[rng.below(outcomes.len())];
+                r.headers_mut()
+                    .insert("x-outcome", outcome.parse().unwrap());
+                let before = limits.total_in_flight();
+                let mut s = service.clone();
+                let called = std::panic::catch_unwind(AssertUnwindSafe(|| s.call(r)));
+                if let Ok(future) = called {
+                    let took = limits.total_in_flight() > before;
+                    admitted += usize::from(took);
+                    refused += usize::from(!took);
+                    futures.push((Box::pin(future), took));
+                }
+            }
+            2 if !futures.is_empty() => {
+                // Run one to its end (or cancel it after a while: a hanging one).
+                let (future, _) = futures.swap_remove(rng.below(futures.len()));
+                let mut task = tokio::spawn(future);
+                match tokio::time::timeout(Duration::from_secs(1), &mut task).await {
+                    Ok(Ok(Ok(response))) => bodies.push(response.into_body()),
+                    Ok(_) => {} // an error, or a panic on the task
+                    Err(_) => {
+                        // It hangs: cancel it, as a timeout layer would.
+                        task.abort();
+                        assert!(task.await.unwrap_err().is_cancelled());
+                    }
+                }
+            }
+            3 if !futures.is_empty() => drop(futures.swap_remove(rng.below(futures.len()))),
+            4 if !bodies.is_empty() => {
+                let i = rng.below(bodies.len());
+                if bodies[i].frame().await.is_none() {
+                    bodies.swap_remove(i);
+                }
+            }
+            5 if !bodies.is_empty() => drop(bodies.swap_remove(rng.below(bodies.len()))),
+            _ => {}
+        }
+        let live = futures.iter().filter(|(_, took)| *took).count()
+            + bodies.iter().filter(|b| b.holds_permit()).count();
+        let held = limits.total_in_flight() as usize;
+        assert_eq!(held, live, "step {step}: places held and requests alive");
+        assert!(held <= 8, "step {step}: total cap passed");
+        for u in users {
+            assert!(limits.in_flight("per-user", u) <= 3, "step {step}");
+        }
+        assert!(limits.in_flight("exports", "") <= 4, "step {step}");
+    }
+    assert!(
+        admitted > 1_000 && refused > 100,
+        "{admitted} admitted, {refused} refused"
+    );
+    drop(futures);
+    drop(bodies);
+    assert_eq!(limits.total_in_flight(), 0);
+    assert_eq!(limits.tracked_keys(), 0);
+    for u in users {
+        assert_eq!(limits.in_flight("per-user", u), 0);
+    }
+}
+
+/// Arrivals at 200/s for `seconds` to a service that takes `latency`, through a total cap of
+/// `cap`: the most requests the service itself ever had in flight, and how many it served.
+async fn drive(cap: u32, latency: Duration, seconds: u64) -> (u64, u64) {
+    let limits = ConcurrencyLimitLayer::builder().total(cap).build().unwrap();
+    let inside = Arc::new(AtomicU64::new(0));
+    let peak = Arc::new(AtomicU64::new(0));
+    let served = Arc::new(AtomicU64::new(0));
+    let service = {
+        let (inside, peak) = (inside.clone(), peak.clone());
+        limits.layer(tower::service_fn(move |_: Request<String>| {
+            let (inside, peak) = (inside.clone(), peak.clone());
+            async move {
+                let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(latency).await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, Infallible>(Response::new(frames(1)))
+            }
+        }))
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..200 * seconds {
+        let (service, served) = (service.clone(), served.clone());
+        tasks.push(tokio::spawn(async move {
+            let response = service.oneshot(request("any", "/")).await.unwrap();
+            if response.status() == StatusCode::OK {
+                served.fetch_add(1, Ordering::SeqCst);
+            }
+            let _ = response.into_body().collect().await;
+        }));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(limits.total_in_flight(), 0);
+    (peak.load(Ordering::SeqCst), served.load(Ordering::SeqCst))
+}
+
+/// Little's law: at 200/s and 250 ms about 50 requests are in flight. When the service slows
+/// 20x (5 s), the same arrivals mean about 1,000 in flight without a limit; with a cap of 60,
+/// in flight stays at 60 and what is served falls in proportion, to about 60 / 5 s = 12/s.
+#[tokio::test(start_paused = true)]
+async fn littles_law_under_a_20x_slowdown() {
+    let (peak, served) = drive(60, Duration::from_millis(250), 10).await;
+    assert!((45..=60).contains(&peak), "healthy: {peak} in flight");
+    assert_eq!(served, 2_000, "healthy: everything is served");
+
+    let (peak, served) = drive(u32::MAX, Duration::from_secs(5), 10).await;
+    assert!(peak >= 990, "slow, unlimited: {peak} in flight");
+
+    let (peak, served_limited) = drive(60, Duration::from_secs(5), 10).await;
+    assert_eq!(peak, 60, "slow, limited: in flight is bounded");
+    // 10 s of arrivals plus the last 5 s: at most 60 every 5 s, three rounds at most.
+    assert!(
+        (120..=180).contains(&served_limited),
+        "slow, limited: {served_limited} served (unlimited: {served})"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_total_cap_is_503_and_grpc_gets_its_codes() {
+    let limits = ConcurrencyLimitLayer::builder()
+        .rule(Rule::new("per-user").key(Header::from_static("x-user")), 1)
+        .total(2)
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let a = service.clone().oneshot(request("a", "/")).await.unwrap();
+    let b = service.clone().oneshot(request("b", "/")).await.unwrap();
+    let c = service.clone().oneshot(request("c", "/")).await.unwrap();
+    assert_eq!(c.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(c.headers()["retry-after"], "1");
+    assert_eq!(c.headers()["cache-control"], "no-store");
+    assert_eq!(c.headers()["content-type"], "application/problem+json");
+    // Refused by the total cap: c took no per-user place.
+    assert_eq!(limits.in_flight("per-user", "c"), 0);
+    // Over the per-user limit: 429 with the problem type of its own.
+    let again = service.clone().oneshot(request("a", "/")).await.unwrap();
+    assert_eq!(again.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = again.into_body().collect().await.unwrap().to_bytes();
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["type"], tollgate::answer::TOO_MANY_IN_FLIGHT_TYPE);
+    assert_eq!(problem["status"], 429);
+    assert_eq!(problem["retry-after"], 1);
+    // gRPC: RESOURCE_EXHAUSTED for a key at its limit, UNAVAILABLE for the cap, with pushback.
+    let grpc = |user: &str| {
+        let mut r = request(user, "/greeter.Greeter/SayHello");
+        r.headers_mut()
+            .insert("content-type", "application/grpc".parse().unwrap());
+        r
+    };
+    let busy = service.clone().oneshot(grpc("a")).await.unwrap();
+    assert_eq!(busy.status(), StatusCode::OK);
+    assert_eq!(busy.headers()["grpc-status"], "8");
+    assert_eq!(busy.headers()["grpc-retry-pushback-ms"], "1000");
+    let full = service.clone().oneshot(grpc("d")).await.unwrap();
+    assert_eq!(full.headers()["grpc-status"], "14");
+    drop((a, b));
+    assert_eq!(limits.total_in_flight(), 0);
+}
+
+/// The `Retry-After` of a key at its limit follows how long its rule's requests stay in
+/// flight (at least 1 s).
+#[tokio::test(start_paused = true)]
+async fn retry_after_follows_the_observed_latency() {
+    let clock = tollgate::clock::ManualClock::new();
+    let limits = ConcurrencyLimitLayer::builder()
+        .rule(Rule::new("per-user").key(Header::from_static("x-user")), 1)
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    // Each request stays 8 s in flight.
+    for _ in 0..30 {
+        let response = service.clone().oneshot(request("a", "/")).await.unwrap();
+        clock.advance(Duration::from_secs(8));
+        drop(response);
+    }
+    let held = service.clone().oneshot(request("a", "/")).await.unwrap();
+    let refused = service.clone().oneshot(request("a", "/")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.headers()["retry-after"], "8");
+    drop(held);
+}
+
+#[tokio::test]
+async fn missing_keys_and_bad_configuration() {
+    let limits = ConcurrencyLimitLayer::builder()
+        .rule(
+            Rule::new("per-key")
+                .key(Header::from_static("x-api-key"))
+                .on_missing_key(MissingKey::Reject(StatusCode::UNAUTHORIZED)),
+            1,
+        )
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let no_key = service.oneshot(request("a", "/")).await.unwrap();
+    assert_eq!(no_key.status(), StatusCode::UNAUTHORIZED);
+
+    let err = |b: tollgate::concurrency::ConcurrencyLimitLayerBuilder| b.build().unwrap_err();
+    let b = ConcurrencyLimitLayer::builder;
+    assert_eq!(err(b()), ConcurrencyError::NothingToLimit);
+    assert_eq!(
+        err(b().total(0)),
+        ConcurrencyError::ZeroLimit("total".into())
+    );
+    assert_eq!(
+        err(b().rule(Rule::new("a"), 0)),
+        ConcurrencyError::ZeroLimit("a".into())
+    );
+    assert!(matches!(
+        err(b().rule(Rule::new("a b"), 1)),
+        ConcurrencyError::InvalidRuleName(_)
+    ));
+    assert!(matches!(
+        err(b().rule(Rule::new("a"), 1).rule(Rule::new("a"), 2)),
+        ConcurrencyError::DuplicateRule(_)
+    ));
+    let with_policy =
+        Rule::new("a").policy(tollgate::Policy::fixed_window(1, Duration::from_secs(1)).unwrap());
+    assert!(matches!(
+        err(b().rule(with_policy, 1)),
+        ConcurrencyError::NotAConcurrencyRule(_)
+    ));
+    assert!(err(b()).to_string().contains(".total"));
+}
