@@ -76,6 +76,50 @@ impl Clock for SystemClock {
     }
 }
 
+/// tokio's clock (`tokio::time::Instant`): it follows tokio's paused and advanced time, so
+/// that a test or simulation under `#[tokio::test(start_paused = true)]` times requests as
+/// tokio's timers see them. Outside paused time it is tokio's monotonic clock. Its origin is
+/// the moment it was created.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate::clock::{Clock, TokioClock};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// let clock = TokioClock::new();
+/// tokio::time::sleep(Duration::from_secs(5)).await; // no real wait under paused time
+/// assert_eq!(clock.now(), 5_000_000_000);
+/// # }
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct TokioClock {
+    origin: tokio::time::Instant,
+}
+
+impl TokioClock {
+    /// A clock whose origin is now, on tokio's time line.
+    pub fn new() -> Self {
+        Self {
+            origin: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl Default for TokioClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for TokioClock {
+    #[inline]
+    fn now(&self) -> u64 {
+        let elapsed = tokio::time::Instant::now().saturating_duration_since(self.origin);
+        u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
 /// A clock that moves only when told to, for tests and simulations.
 ///
 /// It starts at zero. Clones share one time line: advancing any of them advances all.

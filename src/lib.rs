@@ -10,7 +10,8 @@
 //! - [`key`], [`limiter`], [`http`]: keys from requests, rules and tiers, and the layer;
 //!   [`answer`]: how every layer answers a refused request.
 //! - [`concurrency`]: [`ConcurrencyLimitLayer`], at most so many requests in flight per key
-//!   (a permit held until the response body ends), and in all.
+//!   (a permit held until the response body ends), and in all; [`shed`]: [`LoadShedLayer`],
+//!   refusing early when the service has no capacity left, least important first.
 //! - [`algorithm`]: the pure state machines; [`clock`]: time.
 //!
 //! ```
@@ -41,15 +42,18 @@ pub mod clock;
 pub mod concurrency;
 mod decision;
 pub mod http;
+mod inflight;
 pub mod key;
 pub mod limiter;
 mod policy;
+pub mod shed;
 pub mod store;
 
 pub use self::http::RateLimitLayer;
 pub use concurrency::ConcurrencyLimitLayer;
 pub use decision::Decision;
 pub use policy::{Algorithm, MAX_NAME_LEN, MAX_SLIDING_LOG_LIMIT, Policy, PolicyError, Rate};
+pub use shed::LoadShedLayer;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::redis::RedisStore;

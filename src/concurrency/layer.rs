@@ -436,7 +436,7 @@ impl Shared {
 }
 
 /// A key as the table holds it: hashed past [`MAX_KEY_LEN`], as the limiter's are.
-fn bounded(key: Key) -> Key {
+pub(crate) fn bounded(key: Key) -> Key {
     if key.len() <= MAX_KEY_LEN {
         return key;
     }

@@ -70,13 +70,11 @@
 //! Put it inside the rate limit (a request refused by its quota should not take a place) and
 //! around the work it protects.
 
-mod body;
-mod future;
 mod layer;
 mod service;
-mod table;
+pub(crate) mod table;
 
-pub use body::PermitBody;
-pub use future::ResponseFuture;
+pub use crate::inflight::{PermitBody, ResponseFuture};
 pub use layer::{ConcurrencyError, ConcurrencyLimitLayer, ConcurrencyLimitLayerBuilder};
+pub(crate) use layer::{Permit, bounded};
 pub use service::ConcurrencyLimit;

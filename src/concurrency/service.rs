@@ -7,10 +7,9 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use tower_service::Service;
 
-use super::body::PermitBody;
-use super::future::ResponseFuture;
 use super::layer::Shared;
 use crate::answer::RefusalBody;
+use crate::inflight::{Held, PermitBody, ResponseFuture};
 
 /// The service made by [`ConcurrencyLimitLayer`](super::ConcurrencyLimitLayer). Clones share
 /// the layer's counts.
@@ -61,20 +60,12 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let (parts, body) = request.into_parts();
-        match self.shared.admit(&parts) {
-            Ok(permit) => {
-                // The ready service goes into the future; a clone stays for the next call.
-                let clone = self.inner.clone();
-                let mut inner = std::mem::replace(&mut self.inner, clone);
-                // Should `call` panic, `permit` is dropped on the way out: nothing leaks.
-                let future = inner.call(Request::from_parts(parts, body));
-                ResponseFuture::called(future, permit)
-            }
-            Err(refusal) => {
-                let answer = self.shared.answer(&parts, refusal);
-                ResponseFuture::refused(answer.map(ResBody::refusal))
-            }
-        }
+        let shared = &self.shared;
+        crate::inflight::call(
+            &mut self.inner,
+            request,
+            |parts| shared.admit(parts).map(Held::Concurrency),
+            |parts, refusal| shared.answer(parts, refusal),
+        )
     }
 }

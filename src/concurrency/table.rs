@@ -2,6 +2,7 @@
 //! follows the requests in flight, not the keys ever seen.
 
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use hashbrown::HashTable;
 use parking_lot::Mutex;
@@ -17,6 +18,8 @@ type Shard = Mutex<HashTable<(Key, u32)>>;
 pub(crate) struct InFlight {
     shards: Box<[Shard]>,
     hasher: foldhash::fast::RandomState,
+    /// Keys with requests in flight, over all shards.
+    entries: AtomicUsize,
 }
 
 impl InFlight {
@@ -24,6 +27,7 @@ impl InFlight {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
             hasher: foldhash::fast::RandomState::default(),
+            entries: AtomicUsize::new(0),
         }
     }
 
@@ -54,6 +58,7 @@ impl InFlight {
         table.insert_unique(hash, (key.clone(), 1), |(k, _)| {
             self.hasher.hash_one(k.as_str())
         });
+        self.entries.fetch_add(1, Ordering::Relaxed);
         true
     }
 
@@ -65,6 +70,7 @@ impl InFlight {
             *n = n.saturating_sub(1);
             if *n == 0 {
                 entry.remove();
+                self.entries.fetch_sub(1, Ordering::Relaxed);
             }
         }
     }
@@ -80,7 +86,7 @@ impl InFlight {
 
     /// The keys with requests in flight.
     pub(crate) fn keys(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.entries.load(Ordering::Relaxed)
     }
 
     /// All requests in flight, over every key.

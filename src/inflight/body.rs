@@ -7,22 +7,22 @@ use std::task::{Context, Poll, ready};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use super::layer::Permit;
+use super::Held;
 
 pin_project! {
-    /// A response body of [`ConcurrencyLimit`](super::ConcurrencyLimit): the inner service's
-    /// body, holding the request's permit until its last frame has been sent, it fails, or it
-    /// is dropped (the client went away). A streamed download counts as in flight until its
-    /// last byte.
+    /// A response body of [`ConcurrencyLimit`](crate::concurrency::ConcurrencyLimit) and
+    /// [`LoadShed`](crate::shed::LoadShed): the inner service's body, holding the request's
+    /// place until its last frame has been sent, it fails, or it is dropped (the client went
+    /// away). A streamed download counts as in flight until its last byte.
     pub struct PermitBody<B> {
         #[pin]
         inner: B,
-        permit: Option<Permit>,
+        permit: Option<Held>,
     }
 }
 
 impl<B> PermitBody<B> {
-    pub(crate) fn new(inner: B, permit: Option<Permit>) -> Self {
+    pub(crate) fn new(inner: B, permit: Option<Held>) -> Self {
         Self { inner, permit }
     }
 

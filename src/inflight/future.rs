@@ -9,14 +9,14 @@ use bytes::Bytes;
 use http::Response;
 use pin_project_lite::pin_project;
 
+use super::Held;
 use super::body::PermitBody;
-use super::layer::Permit;
 use crate::answer::RefusalBody;
 
 pin_project! {
-    /// The response future of [`ConcurrencyLimit`](super::ConcurrencyLimit). Dropping it
-    /// before it is done (the client went away, a timeout fired) gives the permit back at
-    /// once.
+    /// The response future of [`ConcurrencyLimit`](crate::concurrency::ConcurrencyLimit) and
+    /// [`LoadShed`](crate::shed::LoadShed). Dropping it before it is done (the client went
+    /// away, a timeout fired) gives the request's place back at once.
     pub struct ResponseFuture<F, B> {
         #[pin]
         state: State<F, B>,
@@ -26,17 +26,17 @@ pin_project! {
 pin_project! {
     #[project = StateProj]
     enum State<F, B> {
-        Called { #[pin] future: F, permit: Option<Permit> },
+        Called { #[pin] future: F, held: Option<Held> },
         Refused { response: Option<Response<B>> },
     }
 }
 
 impl<F, B> ResponseFuture<F, B> {
-    pub(crate) fn called(future: F, permit: Permit) -> Self {
+    pub(crate) fn called(future: F, held: Held) -> Self {
         Self {
             state: State::Called {
                 future,
-                permit: Some(permit),
+                held: Some(held),
             },
         }
     }
@@ -59,11 +59,18 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().state.project() {
-            StateProj::Called { future, permit } => {
+            StateProj::Called { future, held } => {
                 let result = ready!(future.poll(cx));
-                // An error gives the permit back here; a response hands it to its body.
-                let permit = permit.take();
-                Poll::Ready(result.map(|response| response.map(|b| PermitBody::new(b, permit))))
+                let mut held = held.take();
+                let failed = match &result {
+                    Ok(response) => response.status().is_server_error(),
+                    Err(_) => true,
+                };
+                if let Some(held) = &mut held {
+                    held.answered(failed);
+                }
+                // An error gives the place back here; a response hands it to its body.
+                Poll::Ready(result.map(|response| response.map(|b| PermitBody::new(b, held))))
             }
             StateProj::Refused { response } => Poll::Ready(Ok(response
                 .take()

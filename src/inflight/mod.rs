@@ -1,0 +1,58 @@
+//! What the in-flight layers ([`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer),
+//! [`LoadShedLayer`](crate::LoadShedLayer)) share: a request admitted holds a place until its
+//! response body ends, and one call path, future and body serve both layers.
+
+mod body;
+mod future;
+
+pub use body::PermitBody;
+pub use future::ResponseFuture;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Request, Response};
+use tower_service::Service;
+
+use crate::answer::RefusalBody;
+
+/// A place an admitted request holds until its response body ends; dropping it gives the place
+/// back.
+pub(crate) enum Held {
+    /// Held for what its `Drop` gives back.
+    Concurrency(#[allow(dead_code)] crate::concurrency::Permit),
+    Shed(crate::shed::Guard),
+}
+
+impl Held {
+    /// The inner service answered (`failed`: an error or a 5xx): the shedder learns from it.
+    pub(crate) fn answered(&mut self, failed: bool) {
+        if let Held::Shed(guard) = self {
+            guard.answered(failed);
+        }
+    }
+}
+
+/// One `call` of a layer that admits a request into `inner` holding a place, or refuses it
+/// and answers: the ready service moves into the future and a clone stays for the next call.
+pub(crate) fn call<S, ReqBody, ResBody, R>(
+    inner: &mut S,
+    request: Request<ReqBody>,
+    admit: impl FnOnce(&Parts) -> Result<Held, R>,
+    answer: impl FnOnce(&Parts, R) -> Response<Bytes>,
+) -> ResponseFuture<S::Future, ResBody>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    ResBody: RefusalBody,
+{
+    let (parts, body) = request.into_parts();
+    match admit(&parts) {
+        Ok(held) => {
+            let clone = inner.clone();
+            let mut ready = std::mem::replace(inner, clone);
+            // Should `call` panic, `held` is dropped on the way out: nothing leaks.
+            let future = ready.call(Request::from_parts(parts, body));
+            ResponseFuture::called(future, held)
+        }
+        Err(refusal) => ResponseFuture::refused(answer(&parts, refusal).map(ResBody::refusal)),
+    }
+}

@@ -1,0 +1,366 @@
+//! How much the service can have in flight: a fixed number, or one that follows latency.
+//!
+//! The adaptive controllers are pure: each completed request is a sample (when it completed,
+//! its time in flight, the requests in flight when it started, whether it failed), and they
+//! never read a clock. Samples are gathered in windows of at least ten samples and two round
+//! trips, and the limit moves once per window: a change of the limit shows in the latency
+//! only a round trip later, and a controller that moved on every sample would overshoot,
+//! swinging between far too many and far too few.
+
+use std::fmt;
+use std::time::Duration;
+
+/// The capacity a [`LoadShedLayer`](super::LoadShedLayer) sheds against: the requests in
+/// flight the service can take.
+#[derive(Clone, Debug)]
+pub struct Limit {
+    pub(crate) kind: LimitKind,
+    pub(crate) min: u32,
+    pub(crate) max: u32,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) enum LimitKind {
+    Fixed,
+    Vegas {
+        initial: u32,
+    },
+    Aimd {
+        initial: u32,
+        latency: Duration,
+        backoff: f64,
+    },
+}
+
+impl Limit {
+    /// Always `n` in flight.
+    pub fn fixed(n: u32) -> Self {
+        Limit {
+            kind: LimitKind::Fixed,
+            min: n,
+            max: n,
+        }
+    }
+
+    /// The default adaptive limit, TCP Vegas as Netflix's concurrency-limits uses it: the
+    /// least time in flight seen is the time without queueing, and `limit × (1 − least / now)`
+    /// estimates how many requests wait in a queue; the limit grows while that estimate is
+    /// below `3·log10(limit)` and shrinks when it passes `6·log10(limit)`, so it settles where
+    /// a few requests queue, close to what the service can serve at once. It starts at
+    /// `initial` and stays within 1 to 1,000 unless bounded otherwise ([`Limit::bounds`]).
+    ///
+    /// Why the default: it needs no latency target from you, it follows a service that gets
+    /// faster or slower (the least time is forgotten now and then, so a lasting change is
+    /// learned), and under load it converges near the true capacity rather than oscillating
+    /// around a threshold as AIMD does.
+    pub fn vegas(initial: u32) -> Self {
+        Limit {
+            kind: LimitKind::Vegas { initial },
+            min: 1,
+            max: 1_000,
+        }
+    }
+
+    /// Additive increase, multiplicative decrease against a latency target: a window of
+    /// requests (ten or more, over twice `latency`) whose average is slower than `latency`, or
+    /// in which one failed, multiplies the limit by 0.9; a faster one in which the limit was in
+    /// use adds one. Simple and predictable when you know the latency your service should
+    /// keep. Starts at `initial`, within 1 to 1,000 unless bounded otherwise.
+    pub fn aimd(initial: u32, latency: Duration) -> Self {
+        Limit {
+            kind: LimitKind::Aimd {
+                initial,
+                latency,
+                backoff: 0.9,
+            },
+            min: 1,
+            max: 1_000,
+        }
+    }
+
+    /// Keeps an adaptive limit within `min..=max` (`min` at least 1), so that it can neither
+    /// collapse to zero nor grow without limit.
+    pub fn bounds(mut self, min: u32, max: u32) -> Self {
+        if !matches!(self.kind, LimitKind::Fixed) {
+            self.min = min.max(1);
+            self.max = max.max(self.min);
+        }
+        self
+    }
+
+    pub(crate) fn controller(&self) -> Controller {
+        let clamp = |n: u32| f64::from(n.clamp(self.min, self.max));
+        match &self.kind {
+            LimitKind::Fixed => Controller::Fixed(self.max),
+            LimitKind::Vegas { initial } => Controller::Vegas(
+                Vegas {
+                    limit: clamp(*initial),
+                    min: f64::from(self.min),
+                    max: f64::from(self.max),
+                    least: 0,
+                    windows_since_probe: 0,
+                },
+                Window::default(),
+            ),
+            LimitKind::Aimd {
+                initial,
+                latency,
+                backoff,
+            } => Controller::Aimd(
+                Aimd {
+                    limit: clamp(*initial),
+                    min: f64::from(self.min),
+                    max: f64::from(self.max),
+                    target: u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX),
+                    backoff: *backoff,
+                },
+                Window::default(),
+            ),
+        }
+    }
+}
+
+/// One completed request, as the controllers see it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Sample {
+    /// When it completed, on the layer's clock, in nanoseconds.
+    pub(crate) at: u64,
+    /// Its time in flight, in nanoseconds (at least 1).
+    pub(crate) nanos: u64,
+    /// Requests in flight when it was admitted (itself included).
+    pub(crate) in_flight: u32,
+    /// Whether it failed (an error, a 5xx) or was dropped.
+    pub(crate) failed: bool,
+}
+
+/// A limit and its state.
+pub(crate) enum Controller {
+    Fixed(u32),
+    Vegas(Vegas, Window),
+    Aimd(Aimd, Window),
+}
+
+/// The samples of one window, summed up.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Window {
+    start: u64,
+    count: u32,
+    total: u64,
+    least: u64,
+    in_flight: u32,
+    failed: bool,
+}
+
+/// The fewest samples a window holds.
+const WINDOW_SAMPLES: u32 = 10;
+
+impl Window {
+    /// Adds a sample; the window's summary once it has enough (then it starts anew).
+    fn add(&mut self, s: Sample, round_trip: u64) -> Option<Summary> {
+        if self.count == 0 {
+            self.start = s.at.saturating_sub(s.nanos);
+            self.least = u64::MAX;
+        }
+        self.count += 1;
+        self.total = self.total.saturating_add(s.nanos);
+        self.least = self.least.min(s.nanos);
+        self.in_flight = self.in_flight.max(s.in_flight);
+        self.failed |= s.failed;
+        let long_enough = s.at.saturating_sub(self.start) >= round_trip.saturating_mul(2);
+        if self.count < WINDOW_SAMPLES || !long_enough {
+            return None;
+        }
+        let summary = Summary {
+            average: (self.total / u64::from(self.count)).max(1),
+            least: self.least.max(1),
+            in_flight: self.in_flight,
+            failed: self.failed,
+        };
+        *self = Window::default();
+        Some(summary)
+    }
+}
+
+/// What a window saw.
+#[derive(Clone, Copy, Debug)]
+struct Summary {
+    average: u64,
+    least: u64,
+    in_flight: u32,
+    failed: bool,
+}
+
+impl Controller {
+    /// The limit now.
+    pub(crate) fn limit(&self) -> u32 {
+        match self {
+            Controller::Fixed(n) => *n,
+            Controller::Vegas(v, _) => v.limit as u32,
+            Controller::Aimd(a, _) => a.limit as u32,
+        }
+    }
+
+    /// Learns from one completed request.
+    pub(crate) fn sample(&mut self, sample: Sample) {
+        match self {
+            Controller::Fixed(_) => {}
+            Controller::Vegas(v, window) => {
+                // The least time in flight is learnt from every sample.
+                if v.least == 0 || sample.nanos < v.least {
+                    v.least = sample.nanos.max(1);
+                }
+                if let Some(summary) = window.add(sample, v.least) {
+                    v.update(summary);
+                }
+            }
+            Controller::Aimd(a, window) => {
+                if let Some(summary) = window.add(sample, a.target) {
+                    a.update(summary);
+                }
+            }
+        }
+    }
+}
+
+impl fmt::Debug for Controller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Controller({})", self.limit())
+    }
+}
+
+/// After so many windows, Vegas takes the least time in flight of the window as its new
+/// least, so that a service that lastingly got slower is not read as one with a queue for
+/// ever.
+const VEGAS_PROBE_EVERY: u32 = 100;
+
+pub(crate) struct Vegas {
+    limit: f64,
+    min: f64,
+    max: f64,
+    /// The least time in flight seen (0: none yet).
+    least: u64,
+    windows_since_probe: u32,
+}
+
+impl Vegas {
+    fn update(&mut self, w: Summary) {
+        self.windows_since_probe += 1;
+        if self.windows_since_probe >= VEGAS_PROBE_EVERY {
+            self.windows_since_probe = 0;
+            self.least = w.least;
+        }
+        let nanos = w.average;
+        let log = self.limit.log10().max(1.0);
+        let next = if w.failed {
+            self.limit - log
+        } else if f64::from(w.in_flight) * 2.0 < self.limit {
+            // The limit is not in use: nothing to learn about it.
+            return;
+        } else {
+            let queue = (self.limit * (1.0 - self.least as f64 / nanos as f64)).ceil();
+            if queue <= log {
+                self.limit + 6.0 * log
+            } else if queue < 3.0 * log {
+                self.limit + log
+            } else if queue > 6.0 * log {
+                self.limit - log
+            } else {
+                return;
+            }
+        };
+        self.limit = next.clamp(self.min, self.max);
+    }
+}
+
+pub(crate) struct Aimd {
+    limit: f64,
+    min: f64,
+    max: f64,
+    target: u64,
+    backoff: f64,
+}
+
+impl Aimd {
+    fn update(&mut self, w: Summary) {
+        let next = if w.failed || w.average > self.target {
+            self.limit * self.backoff
+        } else if f64::from(w.in_flight) * 2.0 >= self.limit {
+            self.limit + 1.0
+        } else {
+            return;
+        };
+        self.limit = next.clamp(self.min, self.max);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `n` samples of `ms` each, completing one millisecond apart from `*at` on.
+    fn feed(c: &mut Controller, at: &mut u64, n: u32, ms: u64, in_flight: u32, failed: bool) {
+        for _ in 0..n {
+            *at += 1_000_000;
+            c.sample(Sample {
+                at: *at,
+                nanos: ms * 1_000_000,
+                in_flight,
+                failed,
+            });
+        }
+    }
+
+    #[test]
+    fn bounds_hold_whatever_the_samples() {
+        for limit in [
+            Limit::vegas(10).bounds(5, 50),
+            Limit::aimd(10, Duration::from_millis(100)).bounds(5, 50),
+        ] {
+            let mut c = limit.controller();
+            let mut at = 0;
+            for i in 0..10_000u64 {
+                feed(&mut c, &mut at, 1, 1 + (i % 7) * 50, 1_000, i % 11 == 0);
+                assert!((5..=50).contains(&c.limit()), "{limit:?}: {}", c.limit());
+            }
+            // Failures only: down to the floor, never zero.
+            feed(&mut c, &mut at, 10_000, 1, 1, true);
+            assert_eq!(c.limit(), 5, "{limit:?}");
+        }
+        assert_eq!(Limit::vegas(10).bounds(0, 0).controller().limit(), 1);
+        assert_eq!(Limit::fixed(7).bounds(1, 100).controller().limit(), 7);
+    }
+
+    #[test]
+    fn aimd_backs_off_when_slow_and_grows_when_used() {
+        let mut c = Limit::aimd(100, Duration::from_millis(100)).controller();
+        let mut at = 0;
+        // One window (ten samples or more, over 200 ms) of slow requests: one decrease per
+        // window, not one per sample.
+        feed(&mut c, &mut at, 200, 150, 100, false);
+        assert_eq!(c.limit(), 90);
+        // Fast and in use: one more per window.
+        feed(&mut c, &mut at, 1_000, 50, 90, false);
+        let grown = c.limit();
+        assert!((93..=96).contains(&grown), "{grown}");
+        // Unused: no growth (past the window still open from before).
+        feed(&mut c, &mut at, 300, 50, 10, false);
+        let grown = c.limit();
+        feed(&mut c, &mut at, 2_000, 50, 10, false);
+        assert_eq!(c.limit(), grown);
+        // A window with a failure backs off.
+        feed(&mut c, &mut at, 300, 50, 91, true);
+        assert!(c.limit() < grown);
+    }
+
+    #[test]
+    fn vegas_grows_without_queueing_and_shrinks_with_it() {
+        let mut c = Limit::vegas(20).controller();
+        let mut at = 0;
+        feed(&mut c, &mut at, 200, 100, 20, false);
+        assert!(c.limit() > 20, "no queue: grows, {}", c.limit());
+        let grown = c.limit();
+        // Two thirds of the time is queueing.
+        feed(&mut c, &mut at, 200, 300, grown, false);
+        assert!(c.limit() < grown, "a long queue: shrinks, {}", c.limit());
+    }
+}
