@@ -34,11 +34,12 @@ pub enum KeySlots {
     Single,
 }
 
-/// The short name of each algorithm in key names.
+/// The short name of each algorithm in key names; it names the state's layout too (`sl2`: the
+/// sliding log's running sums, whose keys never meet the `sl` lists of older versions).
 pub(crate) fn algorithm_code(a: Algorithm) -> &'static str {
     match a {
         Algorithm::FixedWindow => "fw",
-        Algorithm::SlidingLog => "sl",
+        Algorithm::SlidingLog => "sl2",
         Algorithm::SlidingWindow => "sw",
         Algorithm::TokenBucket => "tb",
         Algorithm::LeakyBucket => "lb",

@@ -73,13 +73,16 @@
 //! A key name is `{prefix}{tag}:{algorithm}:{fingerprint}:{key}`. The prefix is yours
 //! (default `tollgate:`). The tag, the only braces in the name, is a digest of the part of the
 //! key that picks the Cluster slot ([`KeySlots`]: by default the whole key, so every policy of
-//! one key shares a slot). The fingerprint is a stable hash of the policy (algorithm, limit,
-//! period, name), so two policies never share state. The user's key follows, with bytes outside
-//! printable ASCII and `{ } % #` escaped as `%XX`, so no user text can pick a slot or step
-//! into another namespace; when the escaped key is longer than 128 bytes it is replaced by `#`
-//! and its SHA-256. Every key is written with its expiry (`PEXPIRE`) in the same script, set to
-//! when its state will have fully recovered plus a slack (default 1 s): no key lives forever,
-//! and a rejection writes nothing.
+//! one key shares a slot). The algorithm part also names the layout of the state: the sliding
+//! log's is `sl2` (times with running sums); the `sl` lists of older versions are never read
+//! and expire by themselves, so during an upgrade old and new instances keep separate logs.
+//! The fingerprint is a stable hash of the policy (algorithm, limit, period, name), so two
+//! policies never share state. The user's key follows, with bytes outside printable ASCII and
+//! `{ } % #` escaped as `%XX`, so no user text can pick a slot or step into another namespace;
+//! when the escaped key is longer than 128 bytes it is replaced by `#` and its SHA-256. Every
+//! key is written with its expiry (`PEXPIRE`) in the same script, set to when its state will
+//! have fully recovered plus a slack (default 1 s): no key lives forever, and a rejection
+//! writes nothing.
 //!
 //! # Stacked checks across Cluster slots
 //!
@@ -94,7 +97,11 @@
 //! - fixed window and sliding window: the cost is taken back out of the window it was counted
 //!   in (in the sliding window, out of `prev` once that window has become the previous one);
 //!   once it has aged out there is nothing to take back;
-//! - sliding log: the cost is taken out of the entry logged at that time;
+//! - sliding log: the cost is taken out of the entry logged at that time. The log keeps a
+//!   running sum beside each time, so the refund rewrites only the entries from that one to
+//!   the newest (nearly always the newest alone), and a check finds the first live entry and
+//!   the one that decides `retry_after` by bisection, in O(log n) reads whatever the length of
+//!   the log (up to 2^20 entries) or the cost;
 //! - token bucket, leaky bucket and GCRA: the consuming script records how much later the
 //!   bucket's theoretical arrival time is because of this consumption (a pending refund, in
 //!   the key's hash). Every admission on the key updates that amount (idle time can absorb part
