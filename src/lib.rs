@@ -11,7 +11,8 @@
 //!   [`answer`]: how every layer answers a refused request.
 //! - [`concurrency`]: [`ConcurrencyLimitLayer`], at most so many requests in flight per key
 //!   (a permit held until the response body ends), and in all; [`shed`]: [`LoadShedLayer`],
-//!   refusing early when the service has no capacity left, least important first.
+//!   refusing early when the service has no capacity left, least important first; [`shape`]:
+//!   [`ShapeLayer`], the leaky bucket as a queue, delaying requests to a constant rate.
 //! - [`algorithm`]: the pure state machines; [`clock`]: time.
 //!
 //! ```
@@ -46,6 +47,7 @@ mod inflight;
 pub mod key;
 pub mod limiter;
 mod policy;
+pub mod shape;
 pub mod shed;
 pub mod store;
 
@@ -53,6 +55,7 @@ pub use self::http::RateLimitLayer;
 pub use concurrency::ConcurrencyLimitLayer;
 pub use decision::Decision;
 pub use policy::{Algorithm, MAX_NAME_LEN, MAX_SLIDING_LOG_LIMIT, Policy, PolicyError, Rate};
+pub use shape::ShapeLayer;
 pub use shed::LoadShedLayer;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]

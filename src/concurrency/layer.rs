@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{Method, Response, StatusCode};
+use http::{Response, StatusCode};
 use smallvec::SmallVec;
 use tower_layer::Layer;
 
@@ -15,8 +15,8 @@ use super::service::ConcurrencyLimit;
 use super::table::InFlight;
 use crate::answer::{DefaultResponder, Rejection, RejectionKind, Responder};
 use crate::clock::{Clock, SystemClock};
-use crate::key::{Key, KeyExtractor, MAX_KEY_LEN};
-use crate::limiter::{MissingKey, Route, Rule, effective_methods, valid_name};
+use crate::key::{Key, MAX_KEY_LEN};
+use crate::limiter::{Matcher, Rule, valid_name};
 
 /// At most so many requests in flight per key, and optionally in all: see the
 /// [module docs](super).
@@ -76,7 +76,7 @@ impl fmt::Debug for ConcurrencyLimitLayer {
                     .shared
                     .rules
                     .iter()
-                    .map(|r| (&*r.name, r.max))
+                    .map(|r| (&*r.matcher.name, r.max))
                     .collect::<Vec<_>>(),
             )
             .field("total", &self.shared.total.as_ref().map(|t| t.max))
@@ -141,7 +141,7 @@ impl ConcurrencyLimitLayerBuilder {
                     name.chars().take(80).collect(),
                 ));
             }
-            if rules.iter().any(|r| *r.name == *name) {
+            if rules.iter().any(|r| *r.matcher.name == *name) {
                 return Err(ConcurrencyError::DuplicateRule(name));
             }
             if !rule.policies.is_empty() || rule.tiers.is_some() || rule.shadow {
@@ -151,12 +151,7 @@ impl ConcurrencyLimitLayerBuilder {
                 return Err(ConcurrencyError::ZeroLimit(name));
             }
             rules.push(KeyedRule {
-                suffix: format!("@{name}").into(),
-                name: name.into(),
-                methods: effective_methods(rule.methods, rule.exact_methods),
-                route: rule.route,
-                key: rule.key,
-                missing: rule.missing,
+                matcher: Matcher::new(rule),
                 max,
                 latency: Latency::default(),
             });
@@ -244,23 +239,10 @@ pub(crate) struct Shared {
 
 /// A rule: which requests, which key, how many in flight per key.
 struct KeyedRule {
-    name: Arc<str>,
-    /// `@name`, the end of each of the rule's keys in the table.
-    suffix: Box<str>,
-    methods: SmallVec<[Method; 2]>,
-    route: Route,
-    key: Box<dyn KeyExtractor>,
-    missing: MissingKey,
+    matcher: Matcher,
     max: u32,
     /// How long this rule's requests stayed in flight.
     latency: Latency,
-}
-
-impl KeyedRule {
-    fn matches(&self, parts: &Parts) -> bool {
-        (self.methods.is_empty() || self.methods.contains(&parts.method))
-            && self.route.matches(parts)
-    }
 }
 
 struct Total {
@@ -357,24 +339,20 @@ impl Shared {
             started: self.clock.now(),
         };
         for (index, rule) in self.rules.iter().enumerate() {
-            if !rule.matches(parts) {
+            if !rule.matcher.matches(parts) {
                 continue;
             }
             let index = u16::try_from(index).unwrap_or(u16::MAX);
-            let mut key = Key::new();
-            if !rule.key.extract_into(parts, &mut key) {
-                match rule.missing {
-                    MissingKey::Reject(status) => {
-                        return Err(Refusal::NoKey {
-                            rule: index,
-                            status,
-                        });
-                    }
-                    _ => continue,
+            let key = match rule.matcher.key(parts) {
+                Ok(Some(key)) => key,
+                Ok(None) => continue,
+                Err(status) => {
+                    return Err(Refusal::NoKey {
+                        rule: index,
+                        status,
+                    });
                 }
-            }
-            key.push_raw(&rule.suffix);
-            let key = bounded(key);
+            };
             let hash = self.in_flight.hash(key.as_str());
             if !self.in_flight.acquire(hash, &key, rule.max) {
                 // The places already taken go back with `permit`.
@@ -426,7 +404,7 @@ impl Shared {
             parts,
             status,
             decision: None,
-            rule: rule.map(|r| &*r.name),
+            rule: rule.map(|r| &*r.matcher.name),
             policy: None,
             window: None,
             retry_after,

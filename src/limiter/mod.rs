@@ -63,7 +63,7 @@ pub(crate) use plan::{
     Applied, NoKey, Plan, SF_INTEGER_MAX, ShadowPlan, Start, field_value, hashed_key, valid_name,
 };
 pub use plan::{Limiter, LimiterBuilder, LimiterError, ShadowRejection};
+pub(crate) use rule::Matcher;
 pub use rule::{MissingKey, Rule};
-pub(crate) use rule::{Route, effective_methods};
 pub(crate) use tier::Resolving;
 pub use tier::{DEFAULT_TIER_CACHE_CAPACITY, DEFAULT_TIER_TTL, TierResolver, Tiers};

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 
 use super::tier::Tiers;
 use crate::Policy;
-use crate::key::{Global, KeyExtractor};
+use crate::key::{Global, Key, KeyExtractor};
 
 /// One limit of the [`Limiter`](super::Limiter): which requests it counts, by which key,
 /// under which policies, at what cost.
@@ -224,6 +224,65 @@ pub enum MissingKey {
 impl Default for MissingKey {
     fn default() -> Self {
         MissingKey::Reject(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+}
+
+/// What a rule matches and how it finds a request's key: the part of a [`Rule`] that the
+/// layers other than the rate limit use.
+pub(crate) struct Matcher {
+    pub(crate) name: Arc<str>,
+    /// `@name`, the end of each of the rule's keys.
+    suffix: Box<str>,
+    methods: SmallVec<[Method; 2]>,
+    route: Route,
+    key: Box<dyn KeyExtractor>,
+    missing: MissingKey,
+    cost: Cost,
+}
+
+impl Matcher {
+    /// The matching part of `rule`; its policies, tiers and shadow mode are the caller's to
+    /// refuse.
+    pub(crate) fn new(rule: Rule) -> Self {
+        Matcher {
+            suffix: format!("@{}", rule.name).into(),
+            name: rule.name.into(),
+            methods: effective_methods(rule.methods, rule.exact_methods),
+            route: rule.route,
+            key: rule.key,
+            missing: rule.missing,
+            cost: rule.cost,
+        }
+    }
+
+    pub(crate) fn matches(&self, parts: &Parts) -> bool {
+        (self.methods.is_empty() || self.methods.contains(&parts.method))
+            && self.route.matches(parts)
+    }
+
+    /// The request's key, `key@rule` (hashed past [`MAX_KEY_LEN`](crate::key::MAX_KEY_LEN),
+    /// as the limiter's are); `Ok(None)` when the rule skips a request without a key, `Err`
+    /// with the status to refuse it with otherwise.
+    pub(crate) fn key(&self, parts: &Parts) -> Result<Option<Key>, StatusCode> {
+        let mut key = Key::new();
+        if !self.key.extract_into(parts, &mut key) {
+            return match self.missing {
+                MissingKey::Reject(status) => Err(status),
+                _ => Ok(None),
+            };
+        }
+        key.push_raw(&self.suffix);
+        if key.len() <= crate::key::MAX_KEY_LEN {
+            return Ok(Some(key));
+        }
+        let text = key.as_str();
+        let hashed = super::plan::hashed_key(&text[..text.len() - self.suffix.len()], &self.suffix);
+        Ok(Some(hashed))
+    }
+
+    /// What the request costs.
+    pub(crate) fn cost(&self, parts: &Parts) -> u64 {
+        self.cost.of(parts)
     }
 }
 
