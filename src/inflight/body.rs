@@ -8,6 +8,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 use super::Held;
+use crate::answer::RefusalBody;
 
 pin_project! {
     /// A response body of [`ConcurrencyLimit`](crate::concurrency::ConcurrencyLimit) and
@@ -34,6 +35,14 @@ impl<B> PermitBody<B> {
     /// Whether this body still holds its request's place.
     pub fn holds_permit(&self) -> bool {
         self.permit.is_some()
+    }
+}
+
+/// An outer layer (a rate limit around a concurrency limit, say) answers in this body type
+/// too: its refusal holds no place.
+impl<B: RefusalBody> RefusalBody for PermitBody<B> {
+    fn refusal(bytes: bytes::Bytes) -> Self {
+        PermitBody::new(B::refusal(bytes), None)
     }
 }
 

@@ -79,6 +79,7 @@ impl<'a> Check<'a> {
     }
 
     /// The same check at another cost.
+    #[cfg(feature = "redis")]
     pub(crate) const fn with_cost(mut self, cost: u64) -> Self {
         self.cost = cost;
         self
