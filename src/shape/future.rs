@@ -15,6 +15,11 @@ use super::layer::Shared;
 use crate::Store;
 use crate::answer::RefusalBody;
 
+/// Waits shorter than this (the resolution of tokio's timer, which would round them up to its
+/// next millisecond) are not waited: at rates above 1,000 per second a request may leave up to
+/// a millisecond before its slot.
+const MIN_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
+
 pin_project! {
     /// The response future of [`Shape`](super::Shape). Dropping it while it waits gives up the
     /// request (its departure slot stays taken, so the rate remains a bound).
@@ -122,6 +127,14 @@ where
                             // The departure is the reservation's end: wait until then.
                             let wait = decision.reset_after();
                             request.extensions_mut().insert(decision);
+                            if wait < MIN_WAIT {
+                                // tokio's timer would round it up to its next tick.
+                                let mut inner = inner;
+                                state.set(State::Calling {
+                                    future: inner.call(request),
+                                });
+                                continue;
+                            }
                             state.set(State::Waiting {
                                 sleep: tokio::time::sleep(wait),
                                 request: Some(request),

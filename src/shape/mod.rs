@@ -17,7 +17,9 @@
 //!
 //! It works the same around a client: shaping the calls to a third-party API that charges per
 //! call, counted in that API's own units with [`Rule::cost_fn`](crate::limiter::Rule::cost_fn).
-//! The waiting uses tokio's timer: run it on a tokio runtime.
+//! The waiting uses tokio's timer: run it on a tokio runtime. Its resolution is a millisecond,
+//! so at rates above 1,000 per second a wait shorter than that is not waited (a request may
+//! leave up to a millisecond early; the rate still holds over any longer span).
 //!
 //! ```
 //! use std::convert::Infallible;
