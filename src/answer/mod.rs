@@ -304,6 +304,26 @@ impl<'a> Rejection<'a> {
     }
 }
 
+/// Put into the extensions of every response a tollgate layer made to refuse a request (429,
+/// 503, a missing key's status, their gRPC forms), whatever the [`Responder`]: outer layers
+/// and your metrics can tell tollgate's refusals from the service's own answers. The
+/// [`LoadShedLayer`](crate::LoadShedLayer) does not learn latency from them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Refused {
+    /// Why.
+    pub kind: RejectionKind,
+}
+
+/// The responder's answer to `rejection`, marked [`Refused`]: every layer answers through this.
+pub(crate) fn refuse(responder: &dyn Responder, rejection: &Rejection<'_>) -> Response<Bytes> {
+    let mut response = responder.respond(rejection);
+    response.extensions_mut().insert(Refused {
+        kind: rejection.kind,
+    });
+    response
+}
+
 /// Answers refused requests. The layer adds the rate-limit fields of its
 /// [`HeaderProfile`] to whatever this returns.
 ///

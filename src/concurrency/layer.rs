@@ -399,17 +399,20 @@ impl Shared {
                 status,
             } => (RejectionKind::NoKey, status, rule(index), None),
         };
-        self.responder.respond(&Rejection {
-            kind,
-            parts,
-            status,
-            decision: None,
-            rule: rule.map(|r| &*r.matcher.name),
-            policy: None,
-            window: None,
-            retry_after,
-            error: None,
-        })
+        crate::answer::refuse(
+            &*self.responder,
+            &Rejection {
+                kind,
+                parts,
+                status,
+                decision: None,
+                rule: rule.map(|r| &*r.matcher.name),
+                policy: None,
+                window: None,
+                retry_after,
+                error: None,
+            },
+        )
     }
 }
 

@@ -469,7 +469,7 @@ impl<St: Store> Shared<St> {
             retry_after: decision.retry_after(),
             error: None,
         };
-        let mut response = self.responder.respond(&rejection);
+        let mut response = crate::answer::refuse(&*self.responder, &rejection);
         if let Some(fields) = self.fields(decision, applied) {
             fields.apply(response.headers_mut());
         }
@@ -478,17 +478,20 @@ impl<St: Store> Shared<St> {
 
     /// The answer when the store could not decide.
     fn unavailable(&self, parts: &Parts, error: &StoreError) -> Response<Bytes> {
-        self.responder.respond(&Rejection {
-            kind: RejectionKind::Unavailable,
-            parts,
-            status: http::StatusCode::SERVICE_UNAVAILABLE,
-            decision: None,
-            rule: None,
-            policy: None,
-            window: None,
-            retry_after: Some(self.unavailable_retry_after),
-            error: Some(error),
-        })
+        crate::answer::refuse(
+            &*self.responder,
+            &Rejection {
+                kind: RejectionKind::Unavailable,
+                parts,
+                status: http::StatusCode::SERVICE_UNAVAILABLE,
+                decision: None,
+                rule: None,
+                policy: None,
+                window: None,
+                retry_after: Some(self.unavailable_retry_after),
+                error: Some(error),
+            },
+        )
     }
 
     /// The answer to a request a rule found no key for.
@@ -498,16 +501,19 @@ impl<St: Store> Shared<St> {
             .rules
             .get(usize::from(no_key.rule))
             .map(|r| &*r.name);
-        self.responder.respond(&Rejection {
-            kind: RejectionKind::NoKey,
-            parts,
-            status: no_key.status,
-            decision: None,
-            rule,
-            policy: None,
-            window: None,
-            retry_after: None,
-            error: None,
-        })
+        crate::answer::refuse(
+            &*self.responder,
+            &Rejection {
+                kind: RejectionKind::NoKey,
+                parts,
+                status: no_key.status,
+                decision: None,
+                rule,
+                policy: None,
+                window: None,
+                retry_after: None,
+                error: None,
+            },
+        )
     }
 }

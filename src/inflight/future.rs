@@ -9,9 +9,9 @@ use bytes::Bytes;
 use http::Response;
 use pin_project_lite::pin_project;
 
-use super::Held;
 use super::body::PermitBody;
-use crate::answer::RefusalBody;
+use super::{Answer, Held};
+use crate::answer::{RefusalBody, Refused};
 
 pin_project! {
     /// The response future of [`ConcurrencyLimit`](crate::concurrency::ConcurrencyLimit) and
@@ -62,12 +62,15 @@ where
             StateProj::Called { future, held } => {
                 let result = ready!(future.poll(cx));
                 let mut held = held.take();
-                let failed = match &result {
-                    Ok(response) => response.status().is_server_error(),
-                    Err(_) => true,
+                let answer = match &result {
+                    Ok(r) if r.extensions().get::<Refused>().is_some() => Answer::Refused,
+                    Ok(r) => Answer::Served {
+                        failed: matches!(r.status().as_u16(), 503 | 504),
+                    },
+                    Err(_) => Answer::Served { failed: true },
                 };
                 if let Some(held) = &mut held {
-                    held.answered(failed);
+                    held.answered(answer);
                 }
                 // An error gives the place back here; a response hands it to its body.
                 Poll::Ready(result.map(|response| response.map(|b| PermitBody::new(b, held))))

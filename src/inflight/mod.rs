@@ -23,11 +23,21 @@ pub(crate) enum Held {
     Shed(crate::shed::Guard),
 }
 
+/// How the inner service answered, as the shedder learns from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// The service's own answer; `failed` when it was an error, a 503 or a 504 (overload).
+    Served { failed: bool },
+    /// A tollgate layer inside refused it ([`Refused`](crate::answer::Refused)): its time says
+    /// nothing about the service.
+    Refused,
+}
+
 impl Held {
-    /// The inner service answered (`failed`: an error or a 5xx): the shedder learns from it.
-    pub(crate) fn answered(&mut self, failed: bool) {
+    /// The inner service answered: the shedder learns from it.
+    pub(crate) fn answered(&mut self, answer: Answer) {
         if let Held::Shed(guard) = self {
-            guard.answered(failed);
+            guard.answered(answer);
         }
     }
 }

@@ -290,16 +290,19 @@ impl<St: Store> Shared<St> {
             RejectionKind::Unavailable => Some(self.unavailable_retry_after),
             _ => None,
         };
-        self.responder.respond(&Rejection {
-            kind,
-            parts,
-            status,
-            decision,
-            rule: rule.map(|r| &*r.matcher.name),
-            policy: rule.map(|r| &*r.matcher.name),
-            window: rule.map(|r| r.policy.window()),
-            retry_after,
-            error,
-        })
+        crate::answer::refuse(
+            &*self.responder,
+            &Rejection {
+                kind,
+                parts,
+                status,
+                decision,
+                rule: rule.map(|r| &*r.matcher.name),
+                policy: rule.map(|r| &*r.matcher.name),
+                window: rule.map(|r| r.policy.window()),
+                retry_after,
+                error,
+            },
+        )
     }
 }

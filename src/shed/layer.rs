@@ -18,6 +18,7 @@ use super::service::LoadShed;
 use crate::answer::{DefaultResponder, Rejection, RejectionKind, Responder};
 use crate::clock::{Clock, SystemClock};
 use crate::concurrency::table::InFlight;
+use crate::inflight::Answer;
 use crate::key::{Key, KeyExtractor};
 
 /// The default least `Retry-After` of a shed request.
@@ -132,11 +133,11 @@ impl LoadShedLayerBuilder {
         self
     }
 
-    /// The share of capacity (0 to 1) from which requests of `class` are shed. Defaults:
+    /// The share of capacity (0.001 to 1) from which requests of `class` are shed. Defaults:
     /// `sheddable` 0.7, `sheddable_plus` 0.8, `critical` 0.9, `critical_plus` 1.0; what lies
     /// above a class's share is kept for the classes above it.
     pub fn share(mut self, class: Criticality, share: f64) -> Self {
-        if share.is_finite() && share > 0.0 && share <= 1.0 {
+        if share.is_finite() && (0.001..=1.0).contains(&share) {
             self.shares[class.index()] = (share * 1000.0).round() as u16;
         } else {
             self.share_error = Some(ShedError::InvalidShare { class, share });
@@ -157,7 +158,8 @@ impl LoadShedLayerBuilder {
     /// use ([`LoadShedLayerBuilder::fair_from`], 0.8 by default), a tenant with at least its
     /// fair share in flight (the limit divided among the tenants in flight) is shed before
     /// anyone else, so one noisy tenant cannot crowd out the others. Requests without a key
-    /// are shed by class only.
+    /// are shed by class only. Key tenants by something your authentication vouches for: a
+    /// client that can name a fresh tenant per request dilutes everyone's fair share.
     pub fn fair_by(mut self, tenant: impl KeyExtractor) -> Self {
         self.fair = Some(Box::new(tenant));
         self
@@ -200,6 +202,11 @@ impl LoadShedLayerBuilder {
         }
         if matches!(self.limit.kind, LimitKind::Fixed) && self.limit.max == 0 {
             return Err(ShedError::ZeroLimit);
+        }
+        if let LimitKind::Aimd { latency, .. } = &self.limit.kind {
+            if latency.is_zero() {
+                return Err(ShedError::ZeroLatency);
+            }
         }
         if !(self.fair_from.is_finite() && self.fair_from > 0.0 && self.fair_from <= 1.0) {
             return Err(ShedError::InvalidFairFrom(self.fair_from));
@@ -257,6 +264,8 @@ pub enum ShedError {
     InvalidFairFrom(f64),
     /// `Limit::fixed(0)` would shed every request.
     ZeroLimit,
+    /// `Limit::aimd` with a latency target of zero would back off on every window.
+    ZeroLatency,
 }
 
 impl fmt::Display for ShedError {
@@ -265,13 +274,16 @@ impl fmt::Display for ShedError {
             ShedError::InvalidShare { class, share } => {
                 write!(
                     f,
-                    "the share of {class} is {share}: give a number in (0, 1]"
+                    "the share of {class} is {share}: give a number in [0.001, 1]"
                 )
             }
             ShedError::InvalidFairFrom(share) => {
                 write!(f, "fair_from is {share}: give a number in (0, 1]")
             }
             ShedError::ZeroLimit => f.write_str("a fixed limit of 0 sheds every request"),
+            ShedError::ZeroLatency => {
+                f.write_str("an AIMD latency target of 0 backs off on every window")
+            }
         }
     }
 }
@@ -323,15 +335,24 @@ pub(crate) struct Guard {
     in_flight: u32,
     tenant: Option<(u64, Key)>,
     answered: bool,
+    /// Whether the request got past every check (a guard dropped while being refused teaches
+    /// nothing).
+    admitted: bool,
 }
 
 impl Guard {
-    /// The inner service answered: the adaptive limit learns how long it took. A request
-    /// cancelled before its answer teaches nothing.
-    pub(crate) fn answered(&mut self, failed: bool) {
+    /// The inner service answered: the adaptive limit learns how long it took, unless a
+    /// tollgate layer inside refused the request.
+    pub(crate) fn answered(&mut self, answer: Answer) {
         if std::mem::replace(&mut self.answered, true) {
             return;
         }
+        if let Answer::Served { failed } = answer {
+            self.sample(failed);
+        }
+    }
+
+    fn sample(&self, failed: bool) {
         let shared = &self.shared;
         let now = shared.clock.now();
         let nanos = now.saturating_sub(self.started).max(1);
@@ -348,6 +369,11 @@ impl Guard {
 
 impl Drop for Guard {
     fn drop(&mut self) {
+        // Dropped before the service answered (the client went away, a timeout fired): its
+        // time so far is a sample too, or a service that hangs would teach nothing.
+        if !self.answered && self.admitted {
+            self.sample(false);
+        }
         self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
         if let (Some((hash, key)), Some(fair)) = (&self.tenant, &self.shared.fair) {
             fair.tenants.release(*hash, key);
@@ -382,16 +408,22 @@ impl Shared {
             in_flight: before + 1,
             tenant: None,
             answered: false,
+            admitted: false,
         };
         if let Some(fair) = &self.fair {
             let mut key = Key::new();
             if fair.key.extract_into(parts, &mut key) {
+                key.push_raw("@tenant");
                 let key = crate::concurrency::bounded(key);
                 let hash = fair.tenants.hash(key.as_str());
                 let max = if u64::from(before) * 1000 >= limit * fair.from {
                     // Near capacity: a tenant with its fair share in flight waits its turn.
-                    let tenants = u64::try_from(fair.tenants.keys()).unwrap_or(u64::MAX);
-                    u32::try_from((limit / tenants.saturating_add(1)).max(1)).unwrap_or(u32::MAX)
+                    // The tenants in flight, this one counted once.
+                    let mut tenants = u64::try_from(fair.tenants.keys()).unwrap_or(u64::MAX);
+                    if fair.tenants.count(key.as_str()) == 0 {
+                        tenants = tenants.saturating_add(1);
+                    }
+                    u32::try_from((limit / tenants.max(1)).max(1)).unwrap_or(u32::MAX)
                 } else {
                     u32::MAX
                 };
@@ -403,6 +435,7 @@ impl Shared {
             }
         }
         self.admitted[class.index()].fetch_add(1, Ordering::Relaxed);
+        guard.admitted = true;
         Ok(guard)
     }
 
@@ -414,16 +447,19 @@ impl Shared {
             .hasher
             .hash_one(self.draws.fetch_add(1, Ordering::Relaxed));
         let secs = self.retry_after + draw % self.jitter.saturating_add(1);
-        self.responder.respond(&Rejection {
-            kind: RejectionKind::Overloaded,
-            parts,
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            decision: None,
-            rule: None,
-            policy: None,
-            window: None,
-            retry_after: Some(Duration::from_secs(secs)),
-            error: None,
-        })
+        crate::answer::refuse(
+            &*self.responder,
+            &Rejection {
+                kind: RejectionKind::Overloaded,
+                parts,
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                decision: None,
+                rule: None,
+                policy: None,
+                window: None,
+                retry_after: Some(Duration::from_secs(secs)),
+                error: None,
+            },
+        )
     }
 }

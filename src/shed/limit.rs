@@ -131,7 +131,7 @@ pub(crate) struct Sample {
     pub(crate) nanos: u64,
     /// Requests in flight when it was admitted (itself included).
     pub(crate) in_flight: u32,
-    /// Whether it failed (an error, a 5xx) or was dropped.
+    /// Whether it failed as an overloaded service fails: an error, a 503 or a 504.
     pub(crate) failed: bool,
 }
 
@@ -149,9 +149,8 @@ pub(crate) struct Window {
     count: u32,
     /// The first times in flight of the window, for its median.
     times: ArrayVec<u64, WINDOW_KEPT>,
-    least: u64,
     in_flight: u32,
-    failed: bool,
+    failures: u32,
 }
 
 /// How many times in flight a window keeps for its median.
@@ -165,13 +164,11 @@ impl Window {
     fn add(&mut self, s: Sample, round_trip: u64) -> Option<Summary> {
         if self.count == 0 {
             self.start = s.at.saturating_sub(s.nanos);
-            self.least = u64::MAX;
         }
         self.count += 1;
         let _ = self.times.try_push(s.nanos);
-        self.least = self.least.min(s.nanos);
         self.in_flight = self.in_flight.max(s.in_flight);
-        self.failed |= s.failed;
+        self.failures += u32::from(s.failed);
         let long_enough = s.at.saturating_sub(self.start) >= round_trip.saturating_mul(2);
         if self.count < WINDOW_SAMPLES || !long_enough {
             return None;
@@ -181,9 +178,10 @@ impl Window {
         let summary = Summary {
             count: self.count,
             typical: median.max(1),
-            least: self.least.max(1),
             in_flight: self.in_flight,
-            failed: self.failed,
+            // A window fails when one in twenty of its requests did: a stray error is not
+            // overload.
+            failed: self.failures.saturating_mul(20) >= self.count,
         };
         *self = Window::default();
         Some(summary)
@@ -197,7 +195,6 @@ struct Summary {
     /// The median time in flight: a few requests delayed by something else than a queue (a
     /// busy CPU, a pause) move it little, where they would move an average.
     typical: u64,
-    least: u64,
     in_flight: u32,
     failed: bool,
 }
@@ -217,11 +214,8 @@ impl Controller {
         match self {
             Controller::Fixed(_) => {}
             Controller::Vegas(v, window) => {
-                // The least time in flight is learnt from every sample.
-                if v.least == 0 || sample.nanos < v.least {
-                    v.least = sample.nanos.max(1);
-                }
-                if let Some(summary) = window.add(sample, v.least) {
+                let round_trip = if v.least == 0 { sample.nanos } else { v.least };
+                if let Some(summary) = window.add(sample, round_trip) {
                     v.update(summary);
                 }
             }
@@ -252,19 +246,24 @@ pub(crate) struct Vegas {
     limit: f64,
     min: f64,
     max: f64,
-    /// The least time in flight seen (0: none yet).
+    /// The least window median seen (0: none yet): the time in flight without a queue.
     least: u64,
     samples_since_probe: u64,
 }
 
 impl Vegas {
     fn update(&mut self, w: Summary) {
+        // The time without a queue is the least window median: a few fast answers (a cached
+        // page, a 404) cannot pass for it, as they could as the least single sample.
         self.samples_since_probe += u64::from(w.count);
+        if self.least == 0 || w.typical < self.least {
+            self.least = w.typical;
+            return;
+        }
         if self.samples_since_probe as f64 >= VEGAS_PROBE_EVERY * self.limit {
             self.samples_since_probe = 0;
-            // Only towards what was seen: a queue that every request of the window waited in
-            // must not become the new "no queue".
-            self.least = w.least;
+            self.least = w.typical;
+            return;
         }
         let nanos = w.typical;
         let log = self.limit.log10().max(1.0);
@@ -347,6 +346,23 @@ mod tests {
         assert_eq!(Limit::fixed(7).bounds(1, 100).controller().limit(), 7);
     }
 
+    /// A stray failure is not overload; one request in twenty failing is.
+    #[test]
+    fn a_window_fails_from_one_in_twenty() {
+        let mut c = Limit::aimd(100, Duration::from_millis(100)).controller();
+        let mut at = 0;
+        for _ in 0..10 {
+            feed(&mut c, &mut at, 99, 50, 10, false);
+            feed(&mut c, &mut at, 1, 50, 10, true);
+        }
+        assert_eq!(c.limit(), 100, "one in a hundred");
+        for _ in 0..50 {
+            feed(&mut c, &mut at, 19, 50, 10, false);
+            feed(&mut c, &mut at, 1, 50, 10, true);
+        }
+        assert!(c.limit() < 100, "one in twenty: {}", c.limit());
+    }
+
     #[test]
     fn aimd_backs_off_when_slow_and_grows_when_used() {
         let mut c = Limit::aimd(100, Duration::from_millis(100)).controller();
@@ -389,11 +405,12 @@ mod tests {
     fn vegas_grows_without_queueing_and_shrinks_with_it() {
         let mut c = Limit::vegas(20).controller();
         let mut at = 0;
-        feed(&mut c, &mut at, 200, 100, 20, false);
+        // The first window only sets the time without a queue; the next ones grow.
+        feed(&mut c, &mut at, 1_000, 100, 20, false);
         assert!(c.limit() > 20, "no queue: grows, {}", c.limit());
         let grown = c.limit();
         // Two thirds of the time is queueing.
-        feed(&mut c, &mut at, 200, 300, grown, false);
+        feed(&mut c, &mut at, 1_000, 300, grown, false);
         assert!(c.limit() < grown, "a long queue: shrinks, {}", c.limit());
     }
 }
