@@ -297,7 +297,6 @@ impl<S: Store> ResilientStore<S> {
                     }
                     Some(call) => match tokio::time::timeout(shared.timeout, call).await {
                         Ok(Ok(decision)) if decision.reached_backend() => {
-                            probe.disarm();
                             shared.success();
                             return Ok(decision);
                         }
@@ -317,12 +316,10 @@ impl<S: Store> ResilientStore<S> {
                             return Err(e);
                         }
                         Ok(Err(e)) => {
-                            probe.disarm();
                             shared.failure(matches!(e, StoreError::Timeout(_)));
                             e
                         }
                         Err(_) => {
-                            probe.disarm();
                             shared.failure(true);
                             StoreError::Timeout(shared.timeout)
                         }
@@ -334,21 +331,17 @@ impl<S: Store> ResilientStore<S> {
     }
 }
 
-/// Holds a probe's number while it is in flight. A probe that ends without an answer from the
-/// backend (dropped, panicked, answered locally or with a caller error) releases it: the
-/// breaker goes back to open with the probe due at once, so that the next call probes.
+/// Holds a probe's number while it is in flight, and releases it when the probe ends. A probe
+/// answered by the backend has moved the breaker by then (`success` or `failure`), so the
+/// release finds nothing to do; one that ended without such an answer (dropped, panicked,
+/// answered locally or with a caller error) leaves its half-open state, which the release
+/// turns back to open with the probe due at once, so that the next call probes.
 struct ProbeGuard<S> {
     shared: Arc<Shared<S>>,
     probe: Option<u64>,
 }
 
 impl<S> ProbeGuard<S> {
-    /// The probe was answered by the backend: `success` or `failure` moves the breaker.
-    fn disarm(&mut self) {
-        self.probe = None;
-    }
-
-    /// The probe ends without an answer from the backend.
     fn release(&mut self) {
         if let Some(probe) = self.probe.take() {
             self.shared.release(probe);
@@ -1084,5 +1077,72 @@ mod tests {
         assert!(d.allowed() && !d.reached_backend());
         assert_eq!(d.limit(), 1);
         assert!(!s.check("k", &bucket, 1).await.unwrap().allowed());
+    }
+
+    #[test]
+    fn the_divided_policies_are_cached_and_the_cache_is_bounded() {
+        let s = ResilientStore::builder(Fake::default())
+            .fallback_instances(2)
+            .build();
+        let shared = &s.shared;
+        let p = policy();
+        assert_eq!(shared.divided(&p).limit(), 2);
+        assert_eq!(shared.divided(&p).limit(), 2);
+        assert_eq!(shared.divided.lock().len(), 1);
+        for limit in 1..5000 {
+            let p = Policy::fixed_window(limit, Duration::from_secs(1)).unwrap();
+            assert_eq!(shared.divided(&p).limit(), (limit / 2).max(1));
+        }
+        assert_eq!(shared.divided.lock().len(), 4096);
+        // One instance: nothing to divide, nothing cached.
+        let s = ResilientStore::new(Fake::default());
+        assert_eq!(s.shared.divided(&p), p);
+        assert!(s.shared.divided.lock().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn debug_shows_the_configuration_and_the_breaker() {
+        let fake = Fake::default();
+        let builder = ResilientStore::builder(fake.clone()).breaker(3, Duration::from_secs(1));
+        assert!(format!("{builder:?}").contains("threshold: 3"));
+        let s = builder.build();
+        let p = policy();
+        assert!(format!("{s:?}").contains("Closed { failures: 0 }"));
+        open(&s, &fake, &p).await;
+        assert!(format!("{s:?}").contains("Open { until: Some("));
+        assert!(format!("{:?}", s.check("k", &p, 1)).starts_with("ResilientFuture"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_calls_send_one_probe_and_an_aborted_probe_hands_it_on() {
+        let fake = Fake::default();
+        let s = ResilientStore::builder(fake.clone())
+            .timeout(Duration::from_secs(3600))
+            .breaker(3, Duration::ZERO)
+            .build();
+        let p = policy();
+        open(&s, &fake, &p).await;
+        fake.set(HANG);
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..64 {
+            let (s, p) = (s.clone(), p.clone());
+            calls.spawn(async move { s.check("k", &p, 1).await });
+        }
+        // All but the probe answer at once (the bound only keeps a failure from hanging).
+        let refused = tokio::time::timeout(Duration::from_secs(60), async {
+            for _ in 0..63 {
+                let r = calls.join_next().await.unwrap().unwrap();
+                assert!(matches!(r, Err(StoreError::CircuitOpen)), "{r:?}");
+            }
+        });
+        refused.await.expect("two calls reached the store");
+        assert_eq!(fake.calls(), 4);
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
+        calls.abort_all();
+        assert!(calls.join_next().await.unwrap().unwrap_err().is_cancelled());
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        fake.set(OK);
+        assert!(s.check("k", &p, 1).await.unwrap().allowed());
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
     }
 }
