@@ -22,6 +22,8 @@ pub struct Decision {
     reset_after: u64,
     retry_after: u64,
     index: usize,
+    /// Answered without reaching the store's backend (a local cache, say).
+    without_backend: bool,
 }
 
 impl Decision {
@@ -35,6 +37,7 @@ impl Decision {
             reset_after: saturating_nanos(reset_after),
             retry_after: 0,
             index: 0,
+            without_backend: false,
         }
     }
 
@@ -58,6 +61,7 @@ impl Decision {
                 saturating_nanos(retry_after)
             },
             index: 0,
+            without_backend: false,
         }
     }
 
@@ -81,6 +85,7 @@ impl Decision {
                 retry_after
             },
             index: 0,
+            without_backend: false,
         }
     }
 
@@ -88,6 +93,30 @@ impl Decision {
     pub const fn with_index(mut self, index: usize) -> Self {
         self.index = index;
         self
+    }
+
+    /// The same decision, marked as answered without reaching the store's backend: from a
+    /// local cache (the Redis store's deny cache), or by a failure policy while the backend is
+    /// down. A [`ResilientStore`](crate::store::ResilientStore) takes only answers that reached
+    /// the backend as signs of its health. Decisions are made as coming from the backend, so a
+    /// custom store that answers some calls without I/O marks those with this.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tollgate::Decision;
+    ///
+    /// let d = Decision::admitted(10, 9, Duration::ZERO);
+    /// assert!(d.reached_backend());
+    /// assert!(!d.without_backend().reached_backend());
+    /// ```
+    pub const fn without_backend(mut self) -> Self {
+        self.without_backend = true;
+        self
+    }
+
+    /// Whether the answer came from the store's backend (see [`Decision::without_backend`]).
+    pub const fn reached_backend(&self) -> bool {
+        !self.without_backend
     }
 
     /// Whether the request was admitted.

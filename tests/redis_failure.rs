@@ -156,3 +156,33 @@ async fn a_store_can_start_before_redis() {
     assert!(!store.check("k", &p, 1).await.unwrap().allowed());
     drop(server);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deny_cache_hit_does_not_close_the_breaker_while_redis_is_down() {
+    let mut server = redis_or_skip!();
+    let redis = RedisStore::builder()
+        .url(server.url())
+        .deny_cache(100)
+        .deny_cache_max_age(Duration::from_secs(3600))
+        .connect()
+        .await
+        .unwrap();
+    // Opens on the first failure, and probes with the very next call.
+    let store = ResilientStore::builder(redis)
+        .breaker(1, Duration::ZERO)
+        .build();
+    let p = Policy::gcra(Rate::per_hour(1), 1).unwrap();
+    assert!(store.check("k", &p, 1).await.unwrap().allowed());
+    assert!(!store.check("k", &p, 1).await.unwrap().allowed()); // now in the deny cache
+
+    server.kill();
+    assert!(store.check("other", &p, 1).await.is_err());
+    assert_eq!(store.breaker_state(), BreakerStatus::Open);
+    // The probe is answered by the deny cache: that says nothing about Redis.
+    let d = store.check("k", &p, 1).await.unwrap();
+    assert!(!d.allowed() && !d.reached_backend());
+    assert_eq!(store.breaker_state(), BreakerStatus::Open);
+    // So the next call probes Redis, still down, instead of finding the breaker closed.
+    assert!(store.check("other", &p, 1).await.is_err());
+    assert_eq!(store.stats().breaker_opened, 2);
+}

@@ -14,11 +14,16 @@
 //!
 //! After `failures` consecutive failures the breaker opens: for `open_for`, calls do not reach
 //! the store at all and take the failure policy at once. Then one call at a time probes the
-//! store: a success closes the breaker, a failure opens it again. So a dead store costs one
-//! timeout per probe interval, not one per request, and the breaker closes by itself when the
-//! store answers again. Caller errors ([`StoreError::CostExceedsLimit`],
-//! [`StoreError::KeyTooLong`], [`StoreError::Unsupported`]) pass through untouched and never
-//! count as failures: a misconfigured limit never fails open.
+//! store: an answer from the backend closes the breaker, a failure opens it again. So a dead
+//! store costs one timeout per probe interval, not one per request, and the breaker closes by
+//! itself when the store answers again.
+//!
+//! Only answers that reached the backend say anything about its health. Caller errors
+//! ([`StoreError::CostExceedsLimit`], [`StoreError::KeyTooLong`], [`StoreError::Unsupported`])
+//! pass through untouched and are neither failures nor successes: a misconfigured limit never
+//! fails open. Decisions marked [`Decision::without_backend`] (the Redis store's deny cache)
+//! are passed on and count for nothing either: they neither reset the count of failures nor
+//! close the breaker, and a probe answered that way hands the probe to the next call.
 //!
 //! Timeouts and the breaker's clock are tokio's (`tokio::time`), so checks run inside a tokio
 //! runtime with its timer enabled, and tests can drive them with paused time.
@@ -106,23 +111,36 @@ struct Counters {
     breaker_opened: AtomicU64,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum BreakerState {
     Closed {
         failures: u32,
     },
+    /// No call goes to the store before `until`; with `None`, never (an `open_for` beyond what
+    /// the clock can represent).
     Open {
-        until: Instant,
+        until: Option<Instant>,
     },
-    /// One probe is in flight.
-    HalfOpen,
+    /// The probe numbered `probe` is in flight.
+    HalfOpen {
+        probe: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Breaker {
+    state: BreakerState,
+    /// Probes started so far: numbers each half-open state, so that a probe that ends without
+    /// an answer re-arms only its own half-open state, never a later one.
+    probes: u64,
 }
 
 /// Whether a call may go to the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Permit {
     Call,
-    Probe,
+    /// The probe with this number.
+    Probe(u64),
     Refuse,
 }
 
@@ -149,7 +167,7 @@ struct Shared<S> {
     policy: FailurePolicy,
     threshold: u32,
     open_for: Duration,
-    state: Mutex<BreakerState>,
+    breaker: Mutex<Breaker>,
     fallback: MemoryStore,
     instances: u64,
     divided: Mutex<HashMap<u64, Policy>>,
@@ -175,7 +193,7 @@ impl<S> fmt::Debug for ResilientStore<S> {
         f.debug_struct("ResilientStore")
             .field("timeout", &self.shared.timeout)
             .field("policy", &self.shared.policy)
-            .field("breaker", &*self.shared.state.lock())
+            .field("breaker", &self.shared.breaker.lock().state)
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
@@ -230,10 +248,10 @@ impl<S> ResilientStore<S> {
 
     /// The breaker's state now.
     pub fn breaker_state(&self) -> BreakerStatus {
-        match *self.shared.state.lock() {
+        match self.shared.breaker.lock().state {
             BreakerState::Closed { .. } => BreakerStatus::Closed,
             BreakerState::Open { .. } => BreakerStatus::Open,
-            BreakerState::HalfOpen => BreakerStatus::HalfOpen,
+            BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen,
         }
     }
 }
@@ -243,6 +261,16 @@ impl<S: Store> ResilientStore<S> {
     pub fn check_all(&self, checks: &[Check<'_>]) -> ResilientFuture {
         let shared = Arc::clone(&self.shared);
         let permit = shared.permit();
+        // Made before anything can panic or return, the inner store's `check_all` included,
+        // so that a probe that ends without an answer (a panic, a future dropped unpolled or
+        // mid-flight) hands the probe to the next call instead of holding the breaker half-open.
+        let probe = ProbeGuard {
+            shared: Arc::clone(&shared),
+            probe: match permit {
+                Permit::Probe(n) => Some(n),
+                Permit::Call | Permit::Refuse => None,
+            },
+        };
         let owned: Vec<(String, Policy, u64)> = match shared.policy {
             FailurePolicy::LocalFallback => checks
                 .iter()
@@ -254,12 +282,7 @@ impl<S: Store> ResilientStore<S> {
         let open_limit = checks.iter().map(|c| c.policy().limit()).min();
         let call = match permit {
             Permit::Refuse => None,
-            Permit::Call | Permit::Probe => Some(shared.store.check_all(checks)),
-        };
-        // Made before the future is first polled, so that dropping it unpolled re-arms too.
-        let probe = ProbeGuard {
-            shared: Arc::clone(&shared),
-            armed: permit == Permit::Probe,
+            Permit::Call | Permit::Probe(_) => Some(shared.store.check_all(checks)),
         };
         ResilientFuture {
             inner: Box::pin(async move {
@@ -273,9 +296,13 @@ impl<S: Store> ResilientStore<S> {
                         StoreError::CircuitOpen
                     }
                     Some(call) => match tokio::time::timeout(shared.timeout, call).await {
-                        Ok(Ok(decision)) => {
-                            probe.armed = false;
+                        Ok(Ok(decision)) if decision.reached_backend() => {
                             shared.success();
+                            return Ok(decision);
+                        }
+                        Ok(Ok(decision)) => {
+                            // Answered without the backend: says nothing of its health.
+                            probe.release();
                             return Ok(decision);
                         }
                         Ok(Err(
@@ -283,18 +310,16 @@ impl<S: Store> ResilientStore<S> {
                             | StoreError::KeyTooLong { .. }
                             | StoreError::Unsupported { .. }),
                         )) => {
-                            // The caller's mistake, not the store's: no failure, no policy.
-                            probe.armed = false;
-                            shared.success();
+                            // The caller's mistake, not the store's: neither a failure nor a
+                            // success, and no failure policy.
+                            probe.release();
                             return Err(e);
                         }
                         Ok(Err(e)) => {
-                            probe.armed = false;
                             shared.failure(matches!(e, StoreError::Timeout(_)));
                             e
                         }
                         Err(_) => {
-                            probe.armed = false;
                             shared.failure(true);
                             StoreError::Timeout(shared.timeout)
                         }
@@ -306,40 +331,61 @@ impl<S: Store> ResilientStore<S> {
     }
 }
 
-/// Re-opens the breaker if a probe is dropped before it finished, so that the next call can
-/// probe again.
+/// Holds a probe's number while it is in flight, and releases it when the probe ends. A probe
+/// answered by the backend has moved the breaker by then (`success` or `failure`), so the
+/// release finds nothing to do; one that ended without such an answer (dropped, panicked,
+/// answered locally or with a caller error) leaves its half-open state, which the release
+/// turns back to open with the probe due at once, so that the next call probes.
 struct ProbeGuard<S> {
     shared: Arc<Shared<S>>,
-    armed: bool,
+    probe: Option<u64>,
+}
+
+impl<S> ProbeGuard<S> {
+    fn release(&mut self) {
+        if let Some(probe) = self.probe.take() {
+            self.shared.release(probe);
+        }
+    }
 }
 
 impl<S> Drop for ProbeGuard<S> {
     fn drop(&mut self) {
-        if self.armed {
-            *self.shared.state.lock() = BreakerState::Open {
-                until: Instant::now(),
-            };
-        }
+        self.release();
     }
 }
 
 impl<S> Shared<S> {
     fn permit(&self) -> Permit {
-        let mut state = self.state.lock();
-        match *state {
+        let mut breaker = self.breaker.lock();
+        match breaker.state {
             BreakerState::Closed { .. } => Permit::Call,
-            BreakerState::Open { until } if Instant::now() >= until => {
-                *state = BreakerState::HalfOpen;
-                Permit::Probe
+            BreakerState::Open { until: Some(until) } if Instant::now() >= until => {
+                breaker.probes = breaker.probes.wrapping_add(1);
+                let probe = breaker.probes;
+                breaker.state = BreakerState::HalfOpen { probe };
+                Permit::Probe(probe)
             }
-            BreakerState::Open { .. } | BreakerState::HalfOpen => Permit::Refuse,
+            BreakerState::Open { .. } | BreakerState::HalfOpen { .. } => Permit::Refuse,
         }
     }
 
+    /// Re-arms the breaker if it is still in the half-open state of `probe` (a compare and
+    /// swap: a breaker that another call has closed or opened since is left alone).
+    fn release(&self, probe: u64) {
+        let mut breaker = self.breaker.lock();
+        if breaker.state == (BreakerState::HalfOpen { probe }) {
+            breaker.state = BreakerState::Open {
+                until: Some(Instant::now()),
+            };
+        }
+    }
+
+    /// An answer from the backend: whatever the state, the store works.
     fn success(&self) {
-        let mut state = self.state.lock();
-        if !matches!(*state, BreakerState::Closed { failures: 0 }) {
-            *state = BreakerState::Closed { failures: 0 };
+        let mut breaker = self.breaker.lock();
+        if breaker.state != (BreakerState::Closed { failures: 0 }) {
+            breaker.state = BreakerState::Closed { failures: 0 };
         }
     }
 
@@ -348,20 +394,21 @@ impl<S> Shared<S> {
         if timeout {
             self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
-        let mut state = self.state.lock();
-        let open = match *state {
+        let mut breaker = self.breaker.lock();
+        let open = match breaker.state {
             BreakerState::Closed { failures } => {
                 let failures = failures.saturating_add(1);
-                *state = BreakerState::Closed { failures };
+                breaker.state = BreakerState::Closed { failures };
                 failures >= self.threshold
             }
             // A failed probe, or a call that started before the breaker opened.
-            BreakerState::HalfOpen => true,
+            BreakerState::HalfOpen { .. } => true,
             BreakerState::Open { .. } => false,
         };
         if open {
-            *state = BreakerState::Open {
-                until: Instant::now() + self.open_for,
+            breaker.state = BreakerState::Open {
+                // Saturated: an `open_for` beyond the clock's range never probes.
+                until: Instant::now().checked_add(self.open_for),
             };
             self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
         }
@@ -380,10 +427,11 @@ impl<S> Shared<S> {
             FailurePolicy::Closed => Err(error),
             FailurePolicy::Open => {
                 self.counters.failed_open.fetch_add(1, Ordering::Relaxed);
-                Ok(match open_limit {
+                let admitted = match open_limit {
                     Some(limit) => Decision::admitted(limit, limit, Duration::ZERO),
                     None => NOTHING_TO_CHECK,
-                })
+                };
+                Ok(admitted.without_backend())
             }
             FailurePolicy::LocalFallback => {
                 self.counters
@@ -393,7 +441,9 @@ impl<S> Shared<S> {
                     .iter()
                     .map(|(k, p, c)| Check::new(k, p, (*c).min(p.limit())))
                     .collect();
-                self.fallback.check_all_now(&checks)
+                self.fallback
+                    .check_all_now(&checks)
+                    .map(Decision::without_backend)
             }
         }
     }
@@ -416,21 +466,25 @@ impl<S> Shared<S> {
 }
 
 /// A policy allowing a `n`-th of `policy`: the limit (or burst) divided, at least 1, and for a
-/// bucket the rate divided too.
+/// bucket the rate divided too, saturated at the slowest rate a bucket of that burst can have
+/// (burst times interval at most `u64::MAX` ns, about 584 years).
 fn divide(policy: &Policy, n: u64) -> Option<Policy> {
     let limit = (policy.limit() / n).max(1);
     let period = policy.interval();
+    let share = || {
+        let interval = policy
+            .period_nanos()
+            .saturating_mul(n)
+            .min(u64::MAX / limit);
+        Rate::new(1, Duration::from_nanos(interval))
+    };
     let p = match policy.algorithm() {
         Algorithm::FixedWindow => Policy::fixed_window(limit, period),
         Algorithm::SlidingLog => Policy::sliding_log(limit, period),
         Algorithm::SlidingWindow => Policy::sliding_window(limit, period),
-        Algorithm::TokenBucket => {
-            Policy::token_bucket(Rate::new(1, period.checked_mul(n as u32)?), limit)
-        }
-        Algorithm::LeakyBucket => {
-            Policy::leaky_bucket(Rate::new(1, period.checked_mul(n as u32)?), limit)
-        }
-        Algorithm::Gcra => Policy::gcra(Rate::new(1, period.checked_mul(n as u32)?), limit),
+        Algorithm::TokenBucket => Policy::token_bucket(share(), limit),
+        Algorithm::LeakyBucket => Policy::leaky_bucket(share(), limit),
+        Algorithm::Gcra => Policy::gcra(share(), limit),
     }
     .ok()?;
     match policy.name() {
@@ -519,7 +573,8 @@ impl<S: Store> ResilientStoreBuilder<S> {
     }
 
     /// Open the breaker after `failures` consecutive failures (at least 1), for `open_for`
-    /// before each probe (defaults 5 and 1 s).
+    /// before each probe (defaults 5 and 1 s). An `open_for` too long for the clock to add
+    /// (`Duration::MAX`, say) saturates: once open, the breaker never probes again.
     pub fn breaker(mut self, failures: u32, open_for: Duration) -> Self {
         self.threshold = failures.max(1);
         self.open_for = open_for;
@@ -535,7 +590,9 @@ impl<S: Store> ResilientStoreBuilder<S> {
 
     /// How many instances share the limit: the fallback divides each limit (and rate) by it,
     /// at least 1, so that together they stay near the shared limit (default 1). A request
-    /// costing more than the divided limit is charged the divided limit.
+    /// costing more than the divided limit is charged the divided limit. Any `u64` is taken
+    /// as it is; a bucket's divided rate saturates at the slowest one its divided burst can
+    /// have (burst times interval at most `u64::MAX` ns, about 584 years).
     pub fn fallback_instances(mut self, instances: u64) -> Self {
         self.instances = instances.max(1);
         self
@@ -550,7 +607,10 @@ impl<S: Store> ResilientStoreBuilder<S> {
                 policy: self.policy,
                 threshold: self.threshold,
                 open_for: self.open_for,
-                state: Mutex::new(BreakerState::Closed { failures: 0 }),
+                breaker: Mutex::new(Breaker {
+                    state: BreakerState::Closed { failures: 0 },
+                    probes: 0,
+                }),
                 fallback: self.fallback.unwrap_or_default(),
                 instances: self.instances,
                 hook: self.hook,
@@ -569,20 +629,70 @@ mod tests {
     const OK: u8 = 0;
     const FAIL: u8 = 1;
     const HANG: u8 = 2;
+    /// Rejects without reaching the backend, as the Redis store's deny cache does.
+    const LOCAL: u8 = 3;
+    /// A caller error, found without reaching the backend.
+    const CALLER: u8 = 4;
+    /// Panics in `check_all` itself.
+    const PANIC: u8 = 5;
+    /// Panics when its future is polled.
+    const PANIC_POLL: u8 = 6;
+    /// Waits for [`Fake::open_gate`], then answers as [`Fake::then`] says.
+    const GATED: u8 = 7;
 
-    /// A store that admits, fails or never answers, as told, and counts its calls.
-    #[derive(Clone, Default)]
+    /// A store that answers as told, and counts its calls.
+    #[derive(Clone)]
     struct Fake {
         mode: Arc<AtomicU8>,
+        then: Arc<AtomicU8>,
+        gate: Arc<tokio::sync::Semaphore>,
         calls: Arc<AtomicU64>,
+    }
+
+    impl Default for Fake {
+        fn default() -> Self {
+            Self {
+                mode: Arc::default(),
+                then: Arc::default(),
+                gate: Arc::new(tokio::sync::Semaphore::new(0)),
+                calls: Arc::default(),
+            }
+        }
     }
 
     impl Fake {
         fn set(&self, mode: u8) {
             self.mode.store(mode, Ordering::SeqCst);
         }
+        /// What gated calls answer once the gate opens.
+        fn then(&self, mode: u8) {
+            self.then.store(mode, Ordering::SeqCst);
+        }
+        /// Lets one gated call answer.
+        fn open_gate(&self) {
+            self.gate.add_permits(1);
+        }
         fn calls(&self) -> u64 {
             self.calls.load(Ordering::SeqCst)
+        }
+    }
+
+    fn answer(mode: u8, limit: u64) -> Result<Decision, StoreError> {
+        match mode {
+            OK => Ok(Decision::admitted(limit, 0, Duration::ZERO)),
+            FAIL => Err(StoreError::Backend("down".into())),
+            LOCAL => {
+                Ok(
+                    Decision::rejected(limit, 0, Duration::from_secs(1), Duration::from_secs(1))
+                        .without_backend(),
+                )
+            }
+            CALLER => Err(StoreError::CostExceedsLimit {
+                index: 0,
+                cost: limit + 1,
+                limit,
+            }),
+            other => unreachable!("no immediate answer for mode {other}"),
         }
     }
 
@@ -593,13 +703,17 @@ mod tests {
             self.calls.fetch_add(1, Ordering::SeqCst);
             let limit = checks[0].policy().limit();
             match self.mode.load(Ordering::SeqCst) {
-                OK => Box::pin(std::future::ready(Ok(Decision::admitted(
-                    limit,
-                    0,
-                    Duration::ZERO,
-                )))),
-                FAIL => Box::pin(std::future::ready(Err(StoreError::Backend("down".into())))),
-                _ => Box::pin(std::future::pending()),
+                HANG => Box::pin(std::future::pending()),
+                PANIC => panic!("the store panicked"),
+                PANIC_POLL => Box::pin(async { panic!("the store's future panicked") }),
+                GATED => {
+                    let (gate, then) = (Arc::clone(&self.gate), Arc::clone(&self.then));
+                    Box::pin(async move {
+                        gate.acquire().await.unwrap().forget();
+                        answer(then.load(Ordering::SeqCst), limit)
+                    })
+                }
+                mode => Box::pin(std::future::ready(answer(mode, limit))),
             }
         }
     }
@@ -745,5 +859,290 @@ mod tests {
         assert_eq!(mem.stats().failures, 0);
         assert_eq!(mem.breaker_state(), BreakerStatus::Closed);
         assert!(s.check("k", &p, 1).await.unwrap().allowed());
+    }
+
+    /// Opens the breaker of `s` (threshold 3) with three backend errors.
+    async fn open(s: &ResilientStore<Fake>, fake: &Fake, p: &Policy) {
+        fake.set(FAIL);
+        let failures = s.stats().failures;
+        for _ in 0..3 {
+            let _ = s.check("k", p, 1).await;
+        }
+        assert_eq!(s.stats().failures, failures + 3);
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_answered_without_the_backend_leaves_the_breaker_open() {
+        let fake = Fake::default();
+        let s = store(&fake, FailurePolicy::Closed);
+        let p = policy();
+        open(&s, &fake, &p).await;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        // The probe is answered by a local cache: passed on, but the store may still be down.
+        fake.set(LOCAL);
+        let d = s.check("k", &p, 1).await.unwrap();
+        assert!(!d.allowed() && !d.reached_backend());
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        // The next call probes at once, alone, and pays one timeout, not one per call.
+        fake.set(HANG);
+        let started = Instant::now();
+        let probe = s.check("k", &p, 1);
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
+        assert!(matches!(
+            s.check("k", &p, 1).await,
+            Err(StoreError::CircuitOpen)
+        ));
+        assert!(matches!(probe.await, Err(StoreError::Timeout(_))));
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        assert!(matches!(
+            s.check("k", &p, 1).await,
+            Err(StoreError::CircuitOpen)
+        ));
+        assert_eq!(started.elapsed(), Duration::from_millis(100));
+        assert_eq!(fake.calls(), 5);
+        // A caller error as the probe closes nothing either.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        fake.set(CALLER);
+        assert!(matches!(
+            s.check("k", &p, 1).await,
+            Err(StoreError::CostExceedsLimit { .. })
+        ));
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        fake.set(OK);
+        assert!(s.check("k", &p, 1).await.unwrap().allowed());
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        assert_eq!(s.stats().failures, 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn answers_without_the_backend_do_not_reset_the_failure_count() {
+        for between in [LOCAL, CALLER] {
+            let fake = Fake::default();
+            let s = store(&fake, FailurePolicy::Closed);
+            let p = policy();
+            for _ in 0..2 {
+                fake.set(FAIL);
+                assert!(s.check("k", &p, 1).await.is_err());
+                fake.set(between);
+                let _ = s.check("k", &p, 1).await;
+                assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+            }
+            fake.set(FAIL);
+            assert!(s.check("k", &p, 1).await.is_err());
+            assert_eq!(s.breaker_state(), BreakerStatus::Open, "mode {between}");
+            assert!(matches!(
+                s.check("k", &p, 1).await,
+                Err(StoreError::CircuitOpen)
+            ));
+            // An answer from the backend does reset it.
+            let s = store(&fake, FailurePolicy::Closed);
+            for _ in 0..2 {
+                fake.set(FAIL);
+                assert!(s.check("k", &p, 1).await.is_err());
+                fake.set(OK);
+                assert!(s.check("k", &p, 1).await.is_ok());
+            }
+            fake.set(FAIL);
+            assert!(s.check("k", &p, 1).await.is_err());
+            assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_probe_hands_the_probe_to_the_next_call() {
+        let fake = Fake::default();
+        let s = store(&fake, FailurePolicy::Closed);
+        let p = policy();
+        open(&s, &fake, &p).await;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        // In the store's check_all itself, before any future exists.
+        fake.set(PANIC);
+        let panicked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.check("k", &p, 1)));
+        assert!(panicked.is_err());
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        // In the store's future.
+        fake.set(PANIC_POLL);
+        let task = tokio::spawn(s.check("k", &p, 1));
+        assert!(task.await.unwrap_err().is_panic());
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        fake.set(OK);
+        assert!(s.check("k", &p, 1).await.unwrap().allowed());
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        assert_eq!(fake.calls(), 6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_dropped_after_the_breaker_closed_does_not_reopen_it() {
+        let fake = Fake::default();
+        let s = store(&fake, FailurePolicy::Open);
+        let p = policy();
+        // A slow call, sent while the breaker is closed, answers after it opened.
+        fake.set(GATED);
+        fake.then(OK);
+        let slow = s.check("k", &p, 1);
+        open(&s, &fake, &p).await;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        fake.set(HANG);
+        let probe = s.check("k", &p, 1);
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
+        fake.open_gate();
+        assert!(slow.await.unwrap().reached_backend());
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        // The probe's caller goes away: the breaker stays closed, calls reach the store.
+        drop(probe);
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        fake.set(OK);
+        let calls = fake.calls();
+        let d = s.check("k", &p, 1).await.unwrap();
+        assert!(d.reached_backend());
+        assert_eq!(fake.calls(), calls + 1);
+        assert_eq!(s.stats().failed_open, 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_old_probe_dropped_leaves_the_next_probe_alone() {
+        let fake = Fake::default();
+        let s = store(&fake, FailurePolicy::Closed);
+        let p = policy();
+        fake.set(GATED);
+        fake.then(FAIL);
+        let slow = s.check("k", &p, 1);
+        open(&s, &fake, &p).await;
+        tokio::time::advance(Duration::from_secs(1)).await;
+        fake.set(HANG);
+        let first = s.check("k", &p, 1);
+        // The slow call fails while the first probe is out: the breaker opens again.
+        fake.open_gate();
+        assert!(matches!(slow.await, Err(StoreError::Backend(_))));
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let second = s.check("k", &p, 1);
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
+        // The first probe goes away: the second one is still the only probe.
+        drop(first);
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
+        let calls = fake.calls();
+        assert!(matches!(
+            s.check("k", &p, 1).await,
+            Err(StoreError::CircuitOpen)
+        ));
+        assert_eq!(fake.calls(), calls);
+        assert!(matches!(second.await, Err(StoreError::Timeout(_))));
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_endless_open_for_saturates_and_never_probes() {
+        let fake = Fake::default();
+        let s = ResilientStore::builder(fake.clone())
+            .breaker(1, Duration::MAX)
+            .build();
+        let p = policy();
+        fake.set(FAIL);
+        assert!(matches!(
+            s.check("k", &p, 1).await,
+            Err(StoreError::Backend(_))
+        ));
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        tokio::time::advance(Duration::from_secs(100 * 365 * 86_400)).await;
+        fake.set(OK);
+        assert!(matches!(
+            s.check("k", &p, 1).await,
+            Err(StoreError::CircuitOpen)
+        ));
+        assert_eq!(fake.calls(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fallback_instances_beyond_u32_are_not_truncated() {
+        let bucket = Policy::gcra(Rate::per_second(10), 6).unwrap();
+        // 2^32 + 1 and 2^32 were once taken as 1 (no division) and 0 (no policy).
+        for n in [(1 << 32) + 1, 1 << 32] {
+            let share = divide(&bucket, n).unwrap();
+            assert_eq!(share.limit(), 1);
+            assert_eq!(share.interval(), Duration::from_nanos(100_000_000 * n));
+        }
+        // Beyond what a policy can hold, the slowest rate it can.
+        let share = divide(&bucket, u64::MAX).unwrap();
+        assert_eq!(share.interval(), Duration::from_nanos(u64::MAX));
+        let fake = Fake::default();
+        fake.set(HANG);
+        let s = ResilientStore::builder(fake)
+            .failure_policy(FailurePolicy::LocalFallback)
+            .fallback_instances(1 << 32)
+            .build();
+        let d = s.check("k", &bucket, 1).await.unwrap();
+        assert!(d.allowed() && !d.reached_backend());
+        assert_eq!(d.limit(), 1);
+        assert!(!s.check("k", &bucket, 1).await.unwrap().allowed());
+    }
+
+    #[test]
+    fn the_divided_policies_are_cached_and_the_cache_is_bounded() {
+        let s = ResilientStore::builder(Fake::default())
+            .fallback_instances(2)
+            .build();
+        let shared = &s.shared;
+        let p = policy();
+        assert_eq!(shared.divided(&p).limit(), 2);
+        assert_eq!(shared.divided(&p).limit(), 2);
+        assert_eq!(shared.divided.lock().len(), 1);
+        for limit in 1..5000 {
+            let p = Policy::fixed_window(limit, Duration::from_secs(1)).unwrap();
+            assert_eq!(shared.divided(&p).limit(), (limit / 2).max(1));
+        }
+        assert_eq!(shared.divided.lock().len(), 4096);
+        // One instance: nothing to divide, nothing cached.
+        let s = ResilientStore::new(Fake::default());
+        assert_eq!(s.shared.divided(&p), p);
+        assert!(s.shared.divided.lock().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn debug_shows_the_configuration_and_the_breaker() {
+        let fake = Fake::default();
+        let builder = ResilientStore::builder(fake.clone()).breaker(3, Duration::from_secs(1));
+        assert!(format!("{builder:?}").contains("threshold: 3"));
+        let s = builder.build();
+        let p = policy();
+        assert!(format!("{s:?}").contains("Closed { failures: 0 }"));
+        open(&s, &fake, &p).await;
+        assert!(format!("{s:?}").contains("Open { until: Some("));
+        assert!(format!("{:?}", s.check("k", &p, 1)).starts_with("ResilientFuture"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_calls_send_one_probe_and_an_aborted_probe_hands_it_on() {
+        let fake = Fake::default();
+        let s = ResilientStore::builder(fake.clone())
+            .timeout(Duration::from_secs(3600))
+            .breaker(3, Duration::ZERO)
+            .build();
+        let p = policy();
+        open(&s, &fake, &p).await;
+        fake.set(HANG);
+        let mut calls = tokio::task::JoinSet::new();
+        for _ in 0..64 {
+            let (s, p) = (s.clone(), p.clone());
+            calls.spawn(async move { s.check("k", &p, 1).await });
+        }
+        // All but the probe answer at once (the bound only keeps a failure from hanging).
+        let refused = tokio::time::timeout(Duration::from_secs(60), async {
+            for _ in 0..63 {
+                let r = calls.join_next().await.unwrap().unwrap();
+                assert!(matches!(r, Err(StoreError::CircuitOpen)), "{r:?}");
+            }
+        });
+        refused.await.expect("two calls reached the store");
+        assert_eq!(fake.calls(), 4);
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
+        calls.abort_all();
+        assert!(calls.join_next().await.unwrap().unwrap_err().is_cancelled());
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        fake.set(OK);
+        assert!(s.check("k", &p, 1).await.unwrap().allowed());
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
     }
 }

@@ -44,7 +44,7 @@ impl DenyCache {
     }
 
     /// The rejection to answer locally for a request of `cost` on the key with `hash`, if the
-    /// key is known to reject it at `now`.
+    /// key is known to reject it at `now` (marked [`Decision::without_backend`]).
     pub(crate) fn get(&self, hash: u64, cost: u64, now: u64) -> Option<Decision> {
         let mut shard = self.shard(hash).lock();
         let e = *shard.get(&hash)?;
@@ -57,13 +57,16 @@ impl DenyCache {
         }
         let d = e.decision;
         let waited = now.saturating_sub(e.at);
-        Some(Decision::from_nanos(
-            false,
-            d.limit(),
-            d.remaining(),
-            (d.reset_after().as_nanos() as u64).saturating_sub(waited),
-            e.until - now,
-        ))
+        Some(
+            Decision::from_nanos(
+                false,
+                d.limit(),
+                d.remaining(),
+                (d.reset_after().as_nanos() as u64).saturating_sub(waited),
+                e.until - now,
+            )
+            .without_backend(),
+        )
     }
 
     /// Remembers a rejection of `cost` received for a call sent at `sent` (local ns): nothing
@@ -112,6 +115,8 @@ mod tests {
         let d = Decision::rejected(5, 0, Duration::from_secs(2), Duration::from_secs(1));
         c.insert(7, 1, 100, 150, d);
         let local = c.get(7, 1, 1_000_000_100 - 1).unwrap();
+        // Not a sign of Redis' health: a breaker must not close on it.
+        assert!(!local.reached_backend());
         assert_eq!(local.retry_after(), Some(Duration::from_nanos(1)));
         assert!(c.get(7, 1, 1_000_000_100).is_none());
         // Capped: after max_age, Redis is asked again, and the wait stays the true one.

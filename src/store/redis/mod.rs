@@ -134,7 +134,8 @@
 //! A flood of rejected requests then costs Redis one call per key and second. The local
 //! answer's `remaining` is the one Redis gave and its `retry_after` the true remaining wait; a
 //! refund elsewhere can make Redis admit slightly earlier than the cache says (an
-//! over-rejection, bounded by the maximum age, never an over-admission).
+//! over-rejection, bounded by the maximum age, never an over-admission). Local answers are
+//! marked [`Decision::without_backend`], so a breaker does not take them for a healthy Redis.
 
 mod deny;
 mod keys;
@@ -599,7 +600,7 @@ struct Answer {
 impl Inner {
     fn prepare(&self, checks: &[Check<'_>]) -> Result<Prepared, StoreError> {
         if checks.is_empty() {
-            return Ok(Prepared::Done(NOTHING_TO_CHECK));
+            return Ok(Prepared::Done(NOTHING_TO_CHECK.without_backend()));
         }
         let mut merged: SmallVec<[(Check<'_>, usize); 4]> = SmallVec::new();
         for (index, check) in checks.iter().enumerate() {
