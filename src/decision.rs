@@ -14,7 +14,7 @@ use std::time::Duration;
 /// assert_eq!(d.retry_after(), Some(Duration::from_millis(200)));
 /// assert_eq!(d.retry_after_secs(), Some(1)); // header values round up
 /// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug)]
 pub struct Decision {
     allowed: bool,
     limit: u64,
@@ -26,7 +26,35 @@ pub struct Decision {
     without_backend: bool,
 }
 
+/// Two decisions are equal when they decide alike: where the answer came from (see
+/// [`Decision::without_backend`]) does not count.
+impl PartialEq for Decision {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for Decision {}
+
+impl std::hash::Hash for Decision {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.key().hash(state);
+    }
+}
+
 impl Decision {
+    /// What equality and hashing compare.
+    const fn key(&self) -> (bool, u64, u64, u64, u64, usize) {
+        (
+            self.allowed,
+            self.limit,
+            self.remaining,
+            self.reset_after,
+            self.retry_after,
+            self.index,
+        )
+    }
+
     /// An admission: `remaining` is what is left after it, `reset_after` the time until the
     /// state has fully recovered.
     pub const fn admitted(limit: u64, remaining: u64, reset_after: Duration) -> Self {

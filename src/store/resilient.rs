@@ -133,12 +133,27 @@ struct Breaker {
     /// Probes started so far: numbers each half-open state, so that a probe that ends without
     /// an answer re-arms only its own half-open state, never a later one.
     probes: u64,
+    /// Changes of state so far. A call remembers the epoch it was sent in, and its answer
+    /// moves the breaker only if no change happened since: a call sent before the breaker
+    /// opened cannot close it afterwards, nor one sent before a probe closed it open it
+    /// again (a store slower than `open_for` would otherwise flap the breaker).
+    epoch: u64,
+}
+
+impl Breaker {
+    fn set(&mut self, state: BreakerState) {
+        if std::mem::discriminant(&state) != std::mem::discriminant(&self.state) {
+            self.epoch = self.epoch.wrapping_add(1);
+        }
+        self.state = state;
+    }
 }
 
 /// Whether a call may go to the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Permit {
-    Call,
+    /// A call, in this epoch.
+    Call(u64),
     /// The probe with this number.
     Probe(u64),
     Refuse,
@@ -260,6 +275,16 @@ impl<S: Store> ResilientStore<S> {
     /// Checks a stack of limits all or nothing (see [`Store::check_all`]).
     pub fn check_all(&self, checks: &[Check<'_>]) -> ResilientFuture {
         let shared = Arc::clone(&self.shared);
+        // The caller's own mistakes are answered as such even while the breaker is open (the
+        // failure policy would otherwise admit a misconfigured check).
+        let max_key_len = shared.store.max_key_len().unwrap_or(usize::MAX);
+        for (index, check) in checks.iter().enumerate() {
+            if let Err(e) = check.validate(index, max_key_len) {
+                return ResilientFuture {
+                    inner: Box::pin(std::future::ready(Err(e))),
+                };
+            }
+        }
         let permit = shared.permit();
         // Made before anything can panic or return, the inner store's `check_all` included,
         // so that a probe that ends without an answer (a panic, a future dropped unpolled or
@@ -268,7 +293,7 @@ impl<S: Store> ResilientStore<S> {
             shared: Arc::clone(&shared),
             probe: match permit {
                 Permit::Probe(n) => Some(n),
-                Permit::Call | Permit::Refuse => None,
+                Permit::Call(_) | Permit::Refuse => None,
             },
         };
         let owned: Vec<(String, Policy, u64)> = match shared.policy {
@@ -282,7 +307,7 @@ impl<S: Store> ResilientStore<S> {
         let open_limit = checks.iter().map(|c| c.policy().limit()).min();
         let call = match permit {
             Permit::Refuse => None,
-            Permit::Call | Permit::Probe(_) => Some(shared.store.check_all(checks)),
+            Permit::Call(_) | Permit::Probe(_) => Some(shared.store.check_all(checks)),
         };
         ResilientFuture {
             inner: Box::pin(async move {
@@ -297,7 +322,7 @@ impl<S: Store> ResilientStore<S> {
                     }
                     Some(call) => match tokio::time::timeout(shared.timeout, call).await {
                         Ok(Ok(decision)) if decision.reached_backend() => {
-                            shared.success();
+                            shared.success(permit);
                             return Ok(decision);
                         }
                         Ok(Ok(decision)) => {
@@ -316,11 +341,11 @@ impl<S: Store> ResilientStore<S> {
                             return Err(e);
                         }
                         Ok(Err(e)) => {
-                            shared.failure(matches!(e, StoreError::Timeout(_)));
+                            shared.failure(permit, matches!(e, StoreError::Timeout(_)));
                             e
                         }
                         Err(_) => {
-                            shared.failure(true);
+                            shared.failure(permit, true);
                             StoreError::Timeout(shared.timeout)
                         }
                     },
@@ -333,25 +358,29 @@ impl<S: Store> ResilientStore<S> {
 
 /// Holds a probe's number while it is in flight, and releases it when the probe ends. A probe
 /// answered by the backend has moved the breaker by then (`success` or `failure`), so the
-/// release finds nothing to do; one that ended without such an answer (dropped, panicked,
-/// answered locally or with a caller error) leaves its half-open state, which the release
-/// turns back to open with the probe due at once, so that the next call probes.
+/// release finds nothing to do. One answered without the backend (locally, or with a caller
+/// error) leaves its half-open state with the probe due at once, so that the next call probes.
+/// One dropped or panicked before its answer reopens the breaker for `open_for`: the store may
+/// well be hanging, and a caller that gives up early must not make every request a probe.
 struct ProbeGuard<S> {
     shared: Arc<Shared<S>>,
     probe: Option<u64>,
 }
 
 impl<S> ProbeGuard<S> {
+    /// The probe got an answer that says nothing of the backend: the next call probes.
     fn release(&mut self) {
         if let Some(probe) = self.probe.take() {
-            self.shared.release(probe);
+            self.shared.release(probe, Duration::ZERO);
         }
     }
 }
 
 impl<S> Drop for ProbeGuard<S> {
     fn drop(&mut self) {
-        self.release();
+        if let Some(probe) = self.probe.take() {
+            self.shared.release(probe, self.shared.open_for);
+        }
     }
 }
 
@@ -359,57 +388,73 @@ impl<S> Shared<S> {
     fn permit(&self) -> Permit {
         let mut breaker = self.breaker.lock();
         match breaker.state {
-            BreakerState::Closed { .. } => Permit::Call,
+            BreakerState::Closed { .. } => Permit::Call(breaker.epoch),
             BreakerState::Open { until: Some(until) } if Instant::now() >= until => {
                 breaker.probes = breaker.probes.wrapping_add(1);
                 let probe = breaker.probes;
-                breaker.state = BreakerState::HalfOpen { probe };
+                breaker.set(BreakerState::HalfOpen { probe });
                 Permit::Probe(probe)
             }
             BreakerState::Open { .. } | BreakerState::HalfOpen { .. } => Permit::Refuse,
         }
     }
 
-    /// Re-arms the breaker if it is still in the half-open state of `probe` (a compare and
-    /// swap: a breaker that another call has closed or opened since is left alone).
-    fn release(&self, probe: u64) {
+    /// Re-arms the breaker, the next probe due after `wait`, if it is still in the half-open
+    /// state of `probe` (a compare and swap: a breaker that another call has closed or opened
+    /// since is left alone).
+    fn release(&self, probe: u64, wait: Duration) {
         let mut breaker = self.breaker.lock();
         if breaker.state == (BreakerState::HalfOpen { probe }) {
-            breaker.state = BreakerState::Open {
-                until: Some(Instant::now()),
-            };
+            breaker.set(BreakerState::Open {
+                until: Instant::now().checked_add(wait),
+            });
         }
     }
 
-    /// An answer from the backend: whatever the state, the store works.
-    fn success(&self) {
+    /// Whether the answer to a call sent with `permit` may move the breaker: a probe's while
+    /// its half-open state lasts, a call's while the epoch it was sent in lasts.
+    fn current(breaker: &Breaker, permit: Permit) -> bool {
+        match permit {
+            Permit::Call(epoch) => epoch == breaker.epoch,
+            Permit::Probe(probe) => breaker.state == (BreakerState::HalfOpen { probe }),
+            Permit::Refuse => false,
+        }
+    }
+
+    /// An answer from the backend: the store works.
+    fn success(&self, permit: Permit) {
         let mut breaker = self.breaker.lock();
-        if breaker.state != (BreakerState::Closed { failures: 0 }) {
-            breaker.state = BreakerState::Closed { failures: 0 };
+        if Self::current(&breaker, permit)
+            && breaker.state != (BreakerState::Closed { failures: 0 })
+        {
+            breaker.set(BreakerState::Closed { failures: 0 });
         }
     }
 
-    fn failure(&self, timeout: bool) {
+    fn failure(&self, permit: Permit, timeout: bool) {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
         if timeout {
             self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
         let mut breaker = self.breaker.lock();
+        if !Self::current(&breaker, permit) {
+            return;
+        }
         let open = match breaker.state {
             BreakerState::Closed { failures } => {
                 let failures = failures.saturating_add(1);
                 breaker.state = BreakerState::Closed { failures };
                 failures >= self.threshold
             }
-            // A failed probe, or a call that started before the breaker opened.
+            // A failed probe.
             BreakerState::HalfOpen { .. } => true,
             BreakerState::Open { .. } => false,
         };
         if open {
-            breaker.state = BreakerState::Open {
+            breaker.set(BreakerState::Open {
                 // Saturated: an `open_for` beyond the clock's range never probes.
                 until: Instant::now().checked_add(self.open_for),
-            };
+            });
             self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -502,6 +547,17 @@ impl<S: Store> Store for ResilientStore<S> {
 
     fn check(&self, key: &str, policy: &Policy, cost: u64) -> Self::Future {
         ResilientStore::check(self, key, policy, cost)
+    }
+
+    /// The inner store's bound, or the fallback store's where that is shorter (the fallback
+    /// decides the same keys).
+    fn max_key_len(&self) -> Option<usize> {
+        let inner = self.shared.store.max_key_len();
+        let fallback = self.shared.fallback.max_key_len();
+        match (inner, fallback) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 }
 
@@ -610,6 +666,7 @@ impl<S: Store> ResilientStoreBuilder<S> {
                 breaker: Mutex::new(Breaker {
                     state: BreakerState::Closed { failures: 0 },
                     probes: 0,
+                    epoch: 0,
                 }),
                 fallback: self.fallback.unwrap_or_default(),
                 instances: self.instances,
@@ -781,7 +838,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_dropped_probe_lets_the_next_call_probe() {
+    async fn a_dropped_probe_reopens_the_breaker_for_open_for() {
         let fake = Fake::default();
         let s = store(&fake, FailurePolicy::Closed);
         let p = policy();
@@ -790,8 +847,16 @@ mod tests {
             assert!(s.check("k", &p, 1).await.is_err());
         }
         tokio::time::advance(Duration::from_secs(1)).await;
+        // The probe's caller goes away before the answer: the store may be hanging, so the
+        // next call does not probe at once.
         drop(s.check("k", &p, 1));
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
         fake.set(OK);
+        assert!(matches!(
+            s.check("k", &p, 1).await,
+            Err(StoreError::CircuitOpen)
+        ));
+        tokio::time::advance(Duration::from_secs(1)).await;
         assert!(s.check("k", &p, 1).await.unwrap().allowed());
         assert_eq!(s.breaker_state(), BreakerStatus::Closed);
     }
@@ -950,7 +1015,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_panicking_probe_hands_the_probe_to_the_next_call() {
+    async fn a_panicking_probe_reopens_the_breaker() {
         let fake = Fake::default();
         let s = store(&fake, FailurePolicy::Closed);
         let p = policy();
@@ -962,23 +1027,26 @@ mod tests {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.check("k", &p, 1)));
         assert!(panicked.is_err());
         assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        tokio::time::advance(Duration::from_secs(1)).await;
         // In the store's future.
         fake.set(PANIC_POLL);
         let task = tokio::spawn(s.check("k", &p, 1));
         assert!(task.await.unwrap_err().is_panic());
         assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        tokio::time::advance(Duration::from_secs(1)).await;
         fake.set(OK);
         assert!(s.check("k", &p, 1).await.unwrap().allowed());
         assert_eq!(s.breaker_state(), BreakerStatus::Closed);
         assert_eq!(fake.calls(), 6);
     }
 
+    /// A call sent before the breaker opened cannot close it with its late answer: only the
+    /// probe speaks for the store once it is open.
     #[tokio::test(start_paused = true)]
-    async fn a_probe_dropped_after_the_breaker_closed_does_not_reopen_it() {
+    async fn a_late_success_does_not_close_an_open_breaker() {
         let fake = Fake::default();
         let s = store(&fake, FailurePolicy::Open);
         let p = policy();
-        // A slow call, sent while the breaker is closed, answers after it opened.
         fake.set(GATED);
         fake.then(OK);
         let slow = s.check("k", &p, 1);
@@ -989,48 +1057,63 @@ mod tests {
         assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
         fake.open_gate();
         assert!(slow.await.unwrap().reached_backend());
-        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
-        // The probe's caller goes away: the breaker stays closed, calls reach the store.
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
+        // The probe's caller goes away: open again, for the whole of open_for.
         drop(probe);
-        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        tokio::time::advance(Duration::from_secs(1)).await;
         fake.set(OK);
-        let calls = fake.calls();
         let d = s.check("k", &p, 1).await.unwrap();
         assert!(d.reached_backend());
-        assert_eq!(fake.calls(), calls + 1);
-        assert_eq!(s.stats().failed_open, 3);
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
     }
 
+    /// A call sent before the breaker opened cannot open it again with its late failure once
+    /// a probe has closed it (a store slower than open_for would otherwise flap the breaker).
     #[tokio::test(start_paused = true)]
-    async fn an_old_probe_dropped_leaves_the_next_probe_alone() {
+    async fn a_late_failure_does_not_reopen_a_closed_breaker() {
         let fake = Fake::default();
         let s = store(&fake, FailurePolicy::Closed);
         let p = policy();
+        let mut slow = Vec::new();
         fake.set(GATED);
         fake.then(FAIL);
-        let slow = s.check("k", &p, 1);
+        for _ in 0..3 {
+            slow.push(s.check("k", &p, 1));
+        }
         open(&s, &fake, &p).await;
         tokio::time::advance(Duration::from_secs(1)).await;
-        fake.set(HANG);
-        let first = s.check("k", &p, 1);
-        // The slow call fails while the first probe is out: the breaker opens again.
+        fake.set(OK);
+        assert!(s.check("k", &p, 1).await.unwrap().allowed());
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
         fake.open_gate();
-        assert!(matches!(slow.await, Err(StoreError::Backend(_))));
-        assert_eq!(s.breaker_state(), BreakerStatus::Open);
-        tokio::time::advance(Duration::from_secs(1)).await;
-        let second = s.check("k", &p, 1);
-        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
-        // The first probe goes away: the second one is still the only probe.
-        drop(first);
-        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
+        for call in slow {
+            // Timed out while the breaker was open, or failed: late either way.
+            assert!(call.await.is_err());
+        }
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        // And they do not count toward the next opening either.
+        fake.set(FAIL);
+        for _ in 0..2 {
+            let _ = s.check("k", &p, 1).await;
+        }
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+    }
+
+    /// The caller's mistakes are its own even while the breaker is open: not admitted by the
+    /// failure policy.
+    #[tokio::test(start_paused = true)]
+    async fn caller_errors_are_answered_while_the_breaker_is_open() {
+        let fake = Fake::default();
+        let s = store(&fake, FailurePolicy::Open);
+        let p = policy();
+        open(&s, &fake, &p).await;
         let calls = fake.calls();
         assert!(matches!(
-            s.check("k", &p, 1).await,
-            Err(StoreError::CircuitOpen)
+            s.check("k", &p, p.limit() + 1).await,
+            Err(StoreError::CostExceedsLimit { .. })
         ));
         assert_eq!(fake.calls(), calls);
-        assert!(matches!(second.await, Err(StoreError::Timeout(_))));
-        assert_eq!(s.breaker_state(), BreakerStatus::Open);
     }
 
     #[tokio::test(start_paused = true)]
