@@ -284,3 +284,35 @@ async fn two_shapers_on_one_redis_keep_one_rate() {
     assert_eq!(accepted, 10);
     assert_eq!(taken, (1..=10).map(|k| k * 10).collect::<Vec<u128>>());
 }
+
+/// A request waiting for its slot holds no place of the inner service: around a concurrency
+/// limit of one, another request goes through at once.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_request_holds_no_place_inside() {
+    let layer = ShapeLayer::builder(MemoryStore::with_clock(TokioClock::new()))
+        .rule(
+            Rule::new("slow").path("/slow").key(Global),
+            Rate::per_second(1),
+            5,
+        )
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let service = tower::ServiceBuilder::new()
+        .layer(layer)
+        .concurrency_limit(1)
+        .service(recorder(start, seen.clone()));
+    let get = |path: &str| Request::get(path).body(String::new()).unwrap();
+    let slow = tokio::spawn(service.clone().oneshot(get("/slow")));
+    tokio::task::yield_now().await;
+    let fast = service.clone().oneshot(get("/fast")).await.unwrap();
+    assert_eq!(fast.status(), StatusCode::OK);
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "the fast request did not wait"
+    );
+    assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(*seen.lock().unwrap(), [0, 1_000 * MS]);
+}

@@ -268,18 +268,27 @@ impl Latency {
             });
     }
 
-    /// The average, as a `Retry-After`: at least 1 s.
+    /// The average, as a `Retry-After`: at least 1 s, at most [`MAX_RETRY_AFTER`] (a rule over
+    /// long downloads or streams would otherwise send clients away for hours).
     fn retry_after(&self) -> Duration {
-        Duration::from_nanos(self.0.load(Ordering::Relaxed)).max(Duration::from_secs(1))
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+            .clamp(Duration::from_secs(1), MAX_RETRY_AFTER)
     }
 }
 
-/// The places one request holds; dropping it gives them back (and times the request).
+/// The longest `Retry-After` a concurrency refusal sends.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// The places one request holds; dropping it gives them back (and, for a request that got
+/// every place, times it).
 pub(crate) struct Permit {
     shared: Arc<Shared>,
     held: SmallVec<[Held; 2]>,
     total: bool,
     started: u64,
+    /// Whether the request got every place: a permit dropped while being refused gives back
+    /// what it took but teaches nothing about how long requests stay.
+    granted: bool,
 }
 
 struct Held {
@@ -291,10 +300,13 @@ struct Held {
 impl Drop for Permit {
     fn drop(&mut self) {
         let shared = &self.shared;
-        let elapsed = shared.clock.now().saturating_sub(self.started);
+        let elapsed = self
+            .granted
+            .then(|| shared.clock.now().saturating_sub(self.started));
         for held in &self.held {
             shared.in_flight.release(held.hash, &held.key);
-            if let Some(rule) = shared.rules.get(usize::from(held.rule)) {
+            if let (Some(rule), Some(elapsed)) = (shared.rules.get(usize::from(held.rule)), elapsed)
+            {
                 rule.latency.record(elapsed);
             }
         }
@@ -303,7 +315,9 @@ impl Drop for Permit {
                 total.count.fetch_sub(1, Ordering::AcqRel);
             }
         }
-        shared.latency.record(elapsed);
+        if let Some(elapsed) = elapsed {
+            shared.latency.record(elapsed);
+        }
     }
 }
 
@@ -337,6 +351,7 @@ impl Shared {
             held: SmallVec::new(),
             total: false,
             started: self.clock.now(),
+            granted: false,
         };
         for (index, rule) in self.rules.iter().enumerate() {
             if !rule.matcher.matches(parts) {
@@ -375,6 +390,7 @@ impl Shared {
             }
             permit.total = true;
         }
+        permit.granted = true;
         Ok(permit)
     }
 

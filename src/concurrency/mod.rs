@@ -9,7 +9,7 @@
 //!   route template, key extractor, and what to do without a key, as for rate limits) allows
 //!   at most so many requests in flight per key. Over it: `429 Too Many Requests` (the
 //!   client's own doing), `Retry-After` estimated from how long that rule's requests have
-//!   been staying in flight (at least 1 s), `Cache-Control: no-store` and a problem+json body
+//!   been staying in flight (at least 1 s, at most [`MAX_RETRY_AFTER`]), `Cache-Control: no-store` and a problem+json body
 //!   of type [`TOO_MANY_IN_FLIGHT_TYPE`](crate::answer::TOO_MANY_IN_FLIGHT_TYPE).
 //! - **In all**: an optional total cap over every request the layer sees. Over it: `503`
 //!   (the service's limit, not the client's), with `Retry-After`.
@@ -75,6 +75,8 @@ mod service;
 pub(crate) mod table;
 
 pub use crate::inflight::{PermitBody, ResponseFuture};
-pub use layer::{ConcurrencyError, ConcurrencyLimitLayer, ConcurrencyLimitLayerBuilder};
+pub use layer::{
+    ConcurrencyError, ConcurrencyLimitLayer, ConcurrencyLimitLayerBuilder, MAX_RETRY_AFTER,
+};
 pub(crate) use layer::{Permit, bounded};
 pub use service::ConcurrencyLimit;

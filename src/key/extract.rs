@@ -125,9 +125,10 @@ impl Key {
         self.as_str().is_empty()
     }
 
-    /// Shortens the key to `len` bytes if it is longer, at a character boundary at or below
-    /// `len` (a cut inside a `%` sequence leaves a key that no text spells).
-    pub fn truncate(&mut self, len: usize) {
+    /// Shortens the key back to `len` bytes, a length it had before (the composing
+    /// extractors undo a part that found no key). Crate-only: a cut elsewhere could leave half
+    /// an escape, which text could then complete into another key.
+    pub(crate) fn truncate(&mut self, len: usize) {
         let mut len = len.min(self.len());
         while len > 0 && !self.as_str().is_char_boundary(len) {
             len -= 1;
@@ -255,8 +256,8 @@ pub trait KeyExtractor: Send + Sync + 'static {
     }
 
     /// Both keys joined by `/` (say, a tenant and a user within it); no key unless both have
-    /// one. A `/` within the first key is written `%2F`, so that (`a/b`, `c`) and (`a`, `b/c`)
-    /// are two keys.
+    /// one. Within the first key `%` is written `%25` and `/` `%2F`, so that (`a/b`, `c`) and
+    /// (`a`, `b/c`) are two keys, nested too.
     fn and<B: KeyExtractor>(self, other: B) -> And<Self, B>
     where
         Self: Sized,
@@ -327,8 +328,12 @@ impl<A: KeyExtractor, B: KeyExtractor> KeyExtractor for And<A, B> {
         if !self.0.extract_into(parts, out) {
             return false;
         }
-        if out.as_str()[start..].contains('/') {
-            let first = out.as_str()[start..].replace('/', "%2F");
+        // The first part's `%` and `/` escaped: (`a/b`, `c`) and (`a`, `b/c`) are two keys,
+        // and so are nested ones, whose own `%2F` must not read as an escaped `/`.
+        if out.as_str()[start..].contains(['/', '%']) {
+            let first = out.as_str()[start..]
+                .replace('%', "%25")
+                .replace('/', "%2F");
             out.truncate(start);
             out.push_raw(&first);
         }
@@ -541,6 +546,13 @@ mod tests {
         let a_bc = of(&and, &[("x-a", "a"), ("x-b", "b/c")]).unwrap();
         assert_eq!(ab_c, "a%2Fb/c");
         assert_eq!(a_bc, "a/b/c");
+        // Nested: ((x/y, z), w) and ((x, y/z), w) stay apart.
+        let nested = h("x-a").and(h("x-b")).and(h("x-c"));
+        let one = of(&nested, &[("x-a", "x/y"), ("x-b", "z"), ("x-c", "w")]).unwrap();
+        let two = of(&nested, &[("x-a", "x"), ("x-b", "y/z"), ("x-c", "w")]).unwrap();
+        assert_ne!(one, two);
+        assert_eq!(one, "x%252Fy%2Fz/w");
+        assert_eq!(two, "x%2Fy%2Fz/w");
         // A part that finds no key leaves nothing behind.
         let mut out = Key::from("rule");
         let p = parts(http::Request::get("/").header("x-a", "a/b"));

@@ -54,6 +54,10 @@ pin_project! {
             request: Option<Request<ReqBody>>,
             inner: Option<S>,
         },
+        Readying {
+            request: Option<Request<ReqBody>>,
+            inner: S,
+        },
         Calling { #[pin] future: S::Future },
         Refused { response: Option<S::Response> },
     }
@@ -129,9 +133,9 @@ where
                             request.extensions_mut().insert(decision);
                             if wait < MIN_WAIT {
                                 // tokio's timer would round it up to its next tick.
-                                let mut inner = inner;
-                                state.set(State::Calling {
-                                    future: inner.call(request),
+                                state.set(State::Readying {
+                                    request: Some(request),
+                                    inner,
                                 });
                                 continue;
                             }
@@ -154,7 +158,19 @@ where
                     inner,
                 } => {
                     ready!(sleep.poll(cx));
-                    let (Some(request), Some(mut inner)) = (request.take(), inner.take()) else {
+                    let (Some(request), Some(inner)) = (request.take(), inner.take()) else {
+                        return Poll::Ready(Ok(Response::new(ResBody::refusal(
+                            bytes::Bytes::new(),
+                        ))));
+                    };
+                    state.set(State::Readying {
+                        request: Some(request),
+                        inner,
+                    });
+                }
+                StateProj::Readying { request, inner } => {
+                    ready!(inner.poll_ready(cx))?;
+                    let Some(request) = request.take() else {
                         return Poll::Ready(Ok(Response::new(ResBody::refusal(
                             bytes::Bytes::new(),
                         ))));

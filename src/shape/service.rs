@@ -62,17 +62,23 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
         let (parts, body) = request.into_parts();
         match self.shared.plan(&parts) {
-            Plan::Pass => ResponseFuture::calling(inner.call(Request::from_parts(parts, body))),
+            Plan::Pass => {
+                // The ready service goes into the future; a clone stays for the next call.
+                let clone = self.inner.clone();
+                let mut inner = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::calling(inner.call(Request::from_parts(parts, body)))
+            }
             Plan::Refuse(answer) => ResponseFuture::refused(answer.map(ResBody::refusal)),
+            // A request that may wait takes a clone and makes it ready after its wait: the
+            // ready service stays here, so that a request waiting for its slot holds no place
+            // of the inner service (a pool, a buffer, a concurrency limit) meanwhile.
             Plan::Check { check, rule } => ResponseFuture::checking(
                 check,
                 rule,
                 Request::from_parts(parts, body),
-                inner,
+                self.inner.clone(),
                 self.shared.clone(),
             ),
         }

@@ -94,7 +94,10 @@ impl KeyNames {
     pub(crate) fn placed_name(&self, key: &str, placement: &str, policy: &Policy) -> String {
         let tag_text = match &self.slots {
             KeySlots::PerKey => key,
-            KeySlots::UntilDelimiter(c) => placement.split(*c).next().unwrap_or(placement),
+            KeySlots::UntilDelimiter(c) => {
+                let placement = without_or_tags(placement);
+                placement.split(*c).next().unwrap_or(placement)
+            }
             KeySlots::Single => "",
         };
         let tag = fnv1a(&[tag_text.as_bytes()]);
@@ -110,6 +113,18 @@ impl KeyNames {
         escape_into(&mut out, key);
         out
     }
+}
+
+/// A key without the tags that [`KeyExtractor::or`](crate::key::KeyExtractor::or) puts in
+/// front (`%|0|`, `%|1|`): they would place every key of a branch in one slot.
+fn without_or_tags(mut key: &str) -> &str {
+    while let Some(rest) = key
+        .strip_prefix("%|0|")
+        .or_else(|| key.strip_prefix("%|1|"))
+    {
+        key = rest;
+    }
+    key
 }
 
 fn escape_into(out: &mut String, key: &str) {
@@ -168,6 +183,19 @@ mod tests {
         // A short key cannot imitate a hashed one: `#` is escaped.
         let hashed = a.rsplit(':').next().unwrap();
         assert!(!names().name(hashed, &p).ends_with(hashed));
+    }
+
+    #[test]
+    fn or_tags_do_not_pick_the_slot() {
+        let n = KeyNames {
+            prefix: "t:".into(),
+            slots: KeySlots::UntilDelimiter('|'),
+        };
+        let p = crate::Policy::gcra(crate::Rate::per_second(1), 1).unwrap();
+        let tag = |key: &str| n.placed_name(key, key, &p)[..20].to_owned();
+        assert_eq!(tag("%|1|acme|u1"), tag("acme|u2"));
+        assert_eq!(tag("%|0|%|1|acme|u1"), tag("acme"));
+        assert_ne!(tag("%|1|203.0.113.9"), tag("%|1|198.51.100.7"));
     }
 
     #[test]

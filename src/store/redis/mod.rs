@@ -434,9 +434,19 @@ impl RedisStore {
         }
     }
 
-    /// The Redis key name under which `key`'s state for `policy` is kept.
+    /// The Redis key name under which `key`'s state for `policy` is kept, for a check made
+    /// with [`Check::new`] (placed by the whole key). A [`Limiter`](crate::limiter::Limiter)'s
+    /// checks are placed by the key before `@rule` (see [`Check::placed_by`]): under
+    /// [`KeySlots::UntilDelimiter`] their names come from [`RedisStore::placed_key_name`].
     pub fn key_name(&self, key: &str, policy: &Policy) -> String {
         self.inner.names.name(key, policy)
+    }
+
+    /// The Redis key name of a check whose first `placed_by` bytes place it
+    /// ([`Check::placed_by`]).
+    pub fn placed_key_name(&self, key: &str, placed_by: usize, policy: &Policy) -> String {
+        let check = Check::new(key, policy, 0).placed_by(placed_by);
+        self.inner.names.placed_name(key, check.placement(), policy)
     }
 
     /// How many rejections the deny cache holds (0 without a deny cache).
