@@ -39,11 +39,11 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 512;
 ///   sixteenth of it closest to recovery is forgotten, so a flood of new keys cannot grow
 ///   memory; those keys may then be admitted early, and [`MemoryStore::evicted`] counts them.
 ///   Size `max_keys` above your live key count.
-/// - **Amortised O(1) when full.** A full shard keeps the sixteenth of its pairs due to
-///   recover soonest in order, and forgets the first of them once it has recovered without
-///   looking at the others: whatever the rate of new keys, it scans all its pairs at most
-///   about once per sixteenth of its capacity of new keys (or of requests that delay the
-///   recovery of a pair in that order).
+/// - **Amortised O(1) when full.** A full shard in which little has recovered keeps the
+///   sixteenth of its pairs due to recover soonest in order, and forgets the first of them
+///   once it has recovered without looking at the others: whatever the rate of new keys, it
+///   scans all its pairs at most about once per thirty-second of its capacity of new keys (or
+///   of requests that delay the recovery of a pair in that order).
 /// - **Cost per key.** A tracked pair takes one slot in its algorithm's hash table, plus a
 ///   control byte and the table's spare capacity: 40 bytes for GCRA, 48 for the leaky bucket,
 ///   56 for the token bucket and the fixed window, 64 for the sliding window counter and 80
@@ -625,8 +625,9 @@ impl Shard {
     /// Recovered state goes first, and costs no scan while the slot due soonest has recovered:
     /// that one is forgotten. Otherwise one scan forgets every recovered slot, and, if the
     /// shard is still full of live state, the sixteenth of it closest to recovery. A scan that
-    /// frees less than a sixteenth orders the sixteenth due next. So at any steady flow of new
-    /// keys, a full shard is scanned at most about once per sixteenth of its capacity of them.
+    /// frees less than a thirty-second orders the sixteenth due next. So at any steady flow of
+    /// new keys, a full shard is scanned at most about once per thirty-second of its capacity
+    /// of them.
     fn make_room(&mut self, cap: usize, now: u64, hash: impl Fn(u64, &[u8]) -> u64) -> u64 {
         while let Some(&Reverse(due)) = self.order.due.peek() {
             if due.at > now {
@@ -665,9 +666,9 @@ impl Shard {
         }
     }
 
-    /// Forgets every recovered slot; if that frees less than a sixteenth of the shard, orders
-    /// the sixteenth due next, after forgetting the sixteenth closest to recovery if the shard
-    /// is still full. Returns how many live slots were forgotten.
+    /// Forgets every recovered slot; if that frees less than a thirty-second of the shard,
+    /// orders the sixteenth due next, after forgetting the sixteenth closest to recovery if
+    /// the shard is still full. Returns how many live slots were forgotten.
     fn scan(&mut self, cap: usize, now: u64, hash: &impl Fn(u64, &[u8]) -> u64) -> u64 {
         #[cfg(test)]
         {
