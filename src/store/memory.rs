@@ -127,8 +127,8 @@ struct Soonest {
 }
 
 /// A slot in [`Soonest::due`]: its table, its hash, and a time before which it cannot have
-/// recovered. Ordered by time (then hash, to make the order total).
-#[derive(Clone, Copy)]
+/// recovered. Ordered by time first.
+#[derive(Clone, Copy, PartialEq, Eq)]
 struct Due {
     at: u64,
     hash: u64,
@@ -136,18 +136,10 @@ struct Due {
 }
 
 impl Due {
-    fn rank(&self) -> (u64, u64) {
-        (self.at, self.hash)
+    fn rank(&self) -> (u64, u64, u8) {
+        (self.at, self.hash, self.algorithm as u8)
     }
 }
-
-impl PartialEq for Due {
-    fn eq(&self, other: &Self) -> bool {
-        self.rank() == other.rank()
-    }
-}
-
-impl Eq for Due {}
 
 impl PartialOrd for Due {
     fn partial_cmp(&self, other: &Self) -> Option<cmp::Ordering> {
@@ -1377,6 +1369,48 @@ mod tests {
             // without a scan.
             assert!(store.evicted() > 0, "seed {seed}");
             assert!(without_scan > 0, "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn the_smallest_stores_keep_their_bound_and_order() {
+        for cap in 1..=3 {
+            let store = one_shard(cap);
+            let live = Policy::fixed_window(1, Duration::from_secs(3600)).unwrap();
+            let short = Policy::gcra(Rate::new(1, Duration::from_millis(1)), 1).unwrap();
+            for i in 0..50 {
+                store.check_now(&format!("live{i}"), &live, 1).unwrap();
+                assert_eq!(store.len(), cap.min(i + 1), "cap {cap}");
+            }
+            assert_eq!(store.evicted(), (50 - cap) as u64, "cap {cap}");
+            for i in 0..50 {
+                store.check_now(&format!("short{i}"), &short, 1).unwrap();
+                store.clock().advance(Duration::from_millis(1));
+                assert!(store.len() <= cap, "cap {cap}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_sweep_forgets_only_recovered_state_and_returns_its_memory() {
+        let store = one_shard(4096);
+        let p = Policy::gcra(Rate::new(1, Duration::from_millis(10)), 1).unwrap();
+        for i in 0..1000 {
+            store.check_now(&format!("old{i}"), &p, 1).unwrap();
+        }
+        store.clock().advance(Duration::from_millis(5));
+        for i in 0..10 {
+            store.check_now(&format!("live{i}"), &p, 1).unwrap();
+        }
+        // The old keys recover exactly now.
+        store.clock().advance(Duration::from_millis(5));
+        let room = store.inner.shards[0].0.lock().gcra.capacity();
+        assert_eq!(store.sweep(), 1000);
+        assert_eq!(store.len(), 10);
+        assert!(store.inner.shards[0].0.lock().gcra.capacity() < room);
+        for i in 0..10 {
+            let d = store.check_now(&format!("live{i}"), &p, 1).unwrap();
+            assert!(!d.allowed(), "live{i} is still limited");
         }
     }
 
