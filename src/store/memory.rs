@@ -1373,6 +1373,63 @@ mod tests {
     }
 
     #[test]
+    fn a_pair_delayed_after_it_was_ordered_is_kept_until_it_recovers() {
+        let ms = Duration::from_millis;
+        let store = one_shard(64);
+        let due_in = |n| Policy::gcra(Rate::new(1, ms(n)), 5).unwrap();
+        let long = Policy::fixed_window(1, Duration::from_secs(3600)).unwrap();
+        let tracked = |key: &str| {
+            slots(&store)
+                .iter()
+                .any(|((_, _, k), _)| k == key.as_bytes())
+        };
+        store.check_now("r", &due_in(5), 1).unwrap();
+        store.check_now("s", &due_in(10), 1).unwrap();
+        store.check_now("q", &due_in(12), 1).unwrap();
+        for i in 0..61 {
+            store.check_now(&format!("long{i}"), &long, 1).unwrap();
+        }
+        // Full, and only r has recovered: one scan frees it and orders s, q and two others.
+        store.clock().set(ms(5));
+        store.check_now("x", &long, 1).unwrap();
+        assert!(!tracked("r"));
+        assert_eq!(scans(&store), 1);
+        // s is used again: it now recovers at 20 ms.
+        store.clock().set(ms(6));
+        assert!(store.check_now("s", &due_in(10), 1).unwrap().allowed());
+        // At 15 ms s is still live, q has recovered: q goes, s stays, and no scan.
+        store.clock().set(ms(15));
+        store.check_now("y", &long, 1).unwrap();
+        assert!(tracked("s") && !tracked("q"));
+        // At 20 ms s has recovered: it goes, still without a scan.
+        store.clock().set(ms(20));
+        store.check_now("z", &long, 1).unwrap();
+        assert!(!tracked("s"));
+        assert_eq!(scans(&store), 1);
+        assert_eq!(store.evicted(), 0);
+        assert_eq!(store.len(), 64);
+    }
+
+    #[test]
+    fn a_scan_that_frees_a_thirty_second_of_the_shard_keeps_no_order() {
+        let ms = Duration::from_millis;
+        let store = one_shard(64);
+        let p = Policy::gcra(Rate::new(1, ms(64)), 1).unwrap();
+        for i in 0..64 {
+            store.check_now(&format!("k{i}"), &p, 1).unwrap();
+            store.clock().advance(ms(1));
+        }
+        // k0 and k1 have recovered at 65 ms: two slots, a thirty-second.
+        store.clock().set(ms(65));
+        store.check_now("new", &p, 1).unwrap();
+        assert_eq!(store.len(), 63);
+        let shard = store.inner.shards[0].0.lock();
+        assert_eq!(shard.order.scans, 1);
+        assert!(shard.order.due.is_empty());
+        assert_eq!(shard.order.later, 0);
+    }
+
+    #[test]
     fn the_smallest_stores_keep_their_bound_and_order() {
         for cap in 1..=3 {
             let store = one_shard(cap);
