@@ -142,8 +142,11 @@ impl Tiers {
         self
     }
 
-    /// How many keys' answers are remembered at most (100 000 by default). When full, answers
-    /// past their time are dropped first, then an arbitrary eighth of the rest.
+    /// How many keys' answers are remembered at most (100 000 by default; at least 1). When
+    /// full, the cache drops the answers past their time, and if fewer than an eighth of its
+    /// capacity were, also the answers closest to their time, until an eighth is free: one scan
+    /// of the cache per eighth of its capacity of new keys. An answer dropped early only means
+    /// one more call to the resolver.
     pub fn cache_capacity(mut self, capacity: usize) -> Self {
         self.capacity = capacity.max(1);
         self
@@ -167,6 +170,8 @@ impl Tiers {
                 table: Mutex::new(HashTable::new()),
                 hasher: foldhash::fast::RandomState::default(),
                 capacity: self.capacity,
+                #[cfg(test)]
+                scans: Default::default(),
             },
             clock: self.clock,
         }
@@ -225,6 +230,9 @@ struct TierCache {
     table: Mutex<HashTable<CacheEntry>>,
     hasher: foldhash::fast::RandomState,
     capacity: usize,
+    /// How many times the cache was scanned to make room.
+    #[cfg(test)]
+    scans: std::sync::atomic::AtomicU64,
 }
 
 struct CacheEntry {
@@ -252,17 +260,7 @@ impl TierCache {
             return;
         }
         if table.len() >= self.capacity {
-            table.retain(|e| e.expires > now);
-            if table.len() >= self.capacity {
-                let mut n = 0usize;
-                table.retain(|_| {
-                    n += 1;
-                    n % 8 != 0
-                });
-            }
-            if table.len() >= self.capacity {
-                table.clear();
-            }
+            self.make_room(&mut table, now);
         }
         let hasher = &self.hasher;
         table.insert_unique(
@@ -274,6 +272,34 @@ impl TierCache {
             },
             |e| hasher.hash_one(&*e.key),
         );
+    }
+
+    /// Frees an eighth of a full cache: the answers past their time, then as many as needed of
+    /// those closest to it.
+    fn make_room(&self, table: &mut HashTable<CacheEntry>, now: u64) {
+        #[cfg(test)]
+        self.scans
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        table.retain(|e| e.expires > now);
+        let free = (self.capacity / 8).max(1);
+        // At most `table.len()`, as `free <= capacity`.
+        let n = (table.len() + free).saturating_sub(self.capacity);
+        if n == 0 {
+            return;
+        }
+        let mut expiries: Vec<u64> = table.iter().map(|e| e.expires).collect();
+        let (before, &mut at, _) = expiries.select_nth_unstable(n - 1);
+        let mut ties = n - before.iter().filter(|&&e| e < at).count();
+        table.retain(|e| {
+            if e.expires < at {
+                false
+            } else if e.expires == at && ties > 0 {
+                ties -= 1;
+                false
+            } else {
+                true
+            }
+        });
     }
 
     #[cfg(test)]
@@ -309,5 +335,66 @@ mod tests {
             assert!(tiers.cache.len() <= 8);
         }
         assert_eq!(tiers.cached("k99"), Some(1));
+    }
+
+    fn cache_of(capacity: usize, ttl: Duration, clock: &ManualClock) -> TierLookup {
+        Tiers::new(|_k: String| async { None })
+            .tier("free", [])
+            .cache_for(ttl)
+            .cache_capacity(capacity)
+            .clock(clock.clone())
+            .into_resolved(0)
+    }
+
+    #[test]
+    fn a_full_cache_under_a_steady_flow_of_new_keys_is_scanned_once_per_eighth() {
+        // Each answer lasts `capacity` ms and a new key comes every ms: once full, the cache
+        // holds exactly one answer past its time at each new key.
+        let capacity = 800;
+        let clock = ManualClock::new();
+        let tiers = cache_of(capacity, Duration::from_millis(capacity as u64), &clock);
+        let n = 20 * capacity;
+        for i in 0..capacity + n {
+            tiers.remember(&format!("k{i}"), None);
+            assert!(tiers.cache.len() <= capacity);
+            clock.advance(Duration::from_millis(1));
+        }
+        let scans = tiers.cache.scans.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            scans <= (n / (capacity / 8) + 1) as u64,
+            "{scans} scans for {n} keys"
+        );
+        // The newest answers are still there.
+        let newest = capacity + n - 1;
+        assert_eq!(tiers.cached(&format!("k{newest}")), Some(0));
+    }
+
+    #[test]
+    fn a_full_cache_drops_answers_past_their_time_then_those_closest_to_it() {
+        let clock = ManualClock::new();
+        let tiers = cache_of(16, Duration::from_secs(20), &clock);
+        for i in 0..16 {
+            clock.set(Duration::from_secs(i));
+            tiers.remember(&format!("k{i}"), None);
+        }
+        clock.set(Duration::from_secs(20));
+        // k0 is past its time: it alone goes, and the next oldest, k1, to free an eighth.
+        tiers.remember("new", None);
+        assert_eq!(tiers.cache.len(), 15);
+        assert_eq!(tiers.cached("k1"), None);
+        assert!((2..16).all(|i| tiers.cached(&format!("k{i}")).is_some()));
+        // Nothing past its time: the two closest to it go.
+        tiers.remember("newer", None);
+        assert_eq!(tiers.cache.len(), 16);
+        tiers.remember("newest", None);
+        assert_eq!(tiers.cache.len(), 15);
+        assert_eq!(tiers.cached("k2"), None);
+        assert_eq!(tiers.cached("k3"), None);
+        assert!((4..16).all(|i| tiers.cached(&format!("k{i}")).is_some()));
+        assert!(
+            ["new", "newer", "newest"]
+                .iter()
+                .all(|k| tiers.cached(k).is_some())
+        );
     }
 }

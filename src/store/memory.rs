@@ -1,5 +1,7 @@
 //! The in-process store.
 
+use std::cmp::{self, Reverse};
+use std::collections::BinaryHeap;
 use std::fmt;
 use std::future::{Ready, ready};
 use std::hash::BuildHasher;
@@ -32,17 +34,25 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 512;
 ///   ready at once, so nothing is boxed. Time comes from a monotonic [`Clock`].
 /// - **Bounded.** At most about `max_keys` (key, policy) pairs are tracked (by default
 ///   2^20). When a shard is full, state that has fully recovered is dropped first, which
-///   changes no decision (a recovered key is indistinguishable from a new one). If the shard is
-///   still full of live state, the sixteenth of it closest to recovery is forgotten, so a flood
-///   of new keys cannot grow memory; those keys may then be admitted early, and
-///   [`MemoryStore::evicted`] counts them. Size `max_keys` above your live key count.
+///   changes no decision (a recovered key is indistinguishable from a new one): live state is
+///   never forgotten while recovered state remains. If the shard is full of live state, the
+///   sixteenth of it closest to recovery is forgotten, so a flood of new keys cannot grow
+///   memory; those keys may then be admitted early, and [`MemoryStore::evicted`] counts them.
+///   Size `max_keys` above your live key count.
+/// - **Amortised O(1) when full.** A full shard in which little has recovered keeps the
+///   sixteenth of its pairs due to recover soonest in order, and forgets the first of them
+///   once it has recovered without looking at the others: whatever the rate of new keys, it
+///   scans all its pairs at most about once per thirty-second of its capacity of new keys (or
+///   of requests that delay the recovery of a pair in that order).
 /// - **Cost per key.** A tracked pair takes one slot in its algorithm's hash table, plus a
 ///   control byte and the table's spare capacity: 40 bytes for GCRA, 48 for the leaky bucket,
 ///   56 for the token bucket and the fixed window, 64 for the sliding window counter and 80
 ///   for the sliding log, whose entries take 16 bytes each on the heap. A key of up to 23
-///   bytes is stored in the slot; a longer one adds a heap copy. Measured with 100,000 keys:
-///   about 54 bytes per key for GCRA (under 60 resident), 85 for the sliding window counter
-///   (`cargo bench --bench memory_per_key`; BENCHMARKS.md has every figure).
+///   bytes is stored in the slot; a longer one adds a heap copy. A shard that has been full
+///   also keeps 24 bytes for each pair in its eviction order (about a sixteenth of them, so
+///   1.5 bytes per key). Measured with 100,000 keys: about 54 bytes per key for GCRA (under
+///   60 resident), 85 for the sliding window counter (`cargo bench --bench memory_per_key`;
+///   BENCHMARKS.md has every figure).
 ///
 /// Clones share one state: cloning the store (or a layer holding it) never splits a limit.
 ///
@@ -93,9 +103,108 @@ struct Shard {
     fixed_window: Table<Timed<FixedWindow>>,
     sliding_window: Table<Timed<SlidingWindow>>,
     sliding_log: Table<Timed<SlidingLog>>,
+    order: Soonest,
 }
 
 type Table<S> = HashTable<Slot<S>>;
+
+/// What a shard knows of which slots recover first, so that a full shard can usually free a
+/// recovered slot without scanning the others. It relies on expiries never moving earlier (a
+/// commit never brings recovery closer), so a time recorded for a slot stays a lower bound.
+///
+/// Every slot either has an entry in `due` no later than its expiry, or expires at `later` or
+/// after.
+#[derive(Default)]
+struct Soonest {
+    /// The slots that may recover soonest: the sixteenth of the shard closest to recovery at
+    /// the last scan, and the slots tracked since that are due before `later`.
+    due: BinaryHeap<Reverse<Due>>,
+    /// No slot outside `due` recovers before this time (zero, i.e. unknown, until a scan).
+    later: u64,
+    /// How many times the shard was scanned to make room.
+    #[cfg(test)]
+    scans: u64,
+}
+
+/// A slot in [`Soonest::due`]: its table, its hash, and a time before which it cannot have
+/// recovered. Ordered by time first.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Due {
+    at: u64,
+    hash: u64,
+    algorithm: Algorithm,
+}
+
+impl Due {
+    fn rank(&self) -> (u64, u64, u8) {
+        (self.at, self.hash, self.algorithm as u8)
+    }
+}
+
+impl PartialOrd for Due {
+    fn partial_cmp(&self, other: &Self) -> Option<cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Due {
+    fn cmp(&self, other: &Self) -> cmp::Ordering {
+        self.rank().cmp(&other.rank())
+    }
+}
+
+impl Soonest {
+    /// Records a slot due at `due.at`, unless `later` already covers it.
+    #[inline]
+    fn track(&mut self, due: Due) {
+        if due.at < self.later {
+            self.due.push(Reverse(due));
+        }
+    }
+
+    /// Forgets the order (after a sweep): the next full shard scans.
+    fn reset(&mut self) {
+        self.due = BinaryHeap::new();
+        self.later = 0;
+    }
+}
+
+/// What became of a slot found through [`Soonest::due`].
+enum Found {
+    /// It had recovered, and is forgotten.
+    Recovered,
+    /// It is live until this time.
+    Live(u64),
+    /// It is no longer tracked.
+    Gone,
+}
+
+/// The `n` smallest of some expiries: those before `at`, and `ties` of those at `at`.
+struct Cut {
+    at: u64,
+    ties: usize,
+}
+
+impl Cut {
+    /// The `n` smallest of `expiries` (1 <= n <= len), which it reorders.
+    fn smallest(expiries: &mut [u64], n: usize) -> Self {
+        let (below, &mut at, _) = expiries.select_nth_unstable(n - 1);
+        let ties = n - below.iter().filter(|&&e| e < at).count();
+        Cut { at, ties }
+    }
+
+    /// Whether a slot that expires at `expires` is one of the `n`; call once per slot.
+    fn takes(&mut self, expires: u64) -> bool {
+        if expires < self.at {
+            true
+        } else if expires == self.at && self.ties > 0 {
+            self.ties -= 1;
+            true
+        } else {
+            false
+        }
+    }
+}
 
 /// The state of one (key, policy) pair.
 struct Slot<S: Kept> {
@@ -155,6 +264,9 @@ trait Kept: Sized {
     /// `()`, or [`CacheLine`] for a slot of exactly 64 bytes.
     type Align: Default;
 
+    /// The algorithm whose table keeps this state.
+    const ALGORITHM: Algorithm;
+
     /// The state of a key never seen under `policy`.
     fn fresh(policy: &Policy) -> Self;
 
@@ -165,7 +277,7 @@ trait Kept: Sized {
     fn apply(&mut self, policy: &Policy, update: Update);
 
     /// When the state will be indistinguishable from a fresh one: forgetting it from then on
-    /// changes no decision.
+    /// changes no decision. [`Kept::apply`] never makes it earlier; [`Soonest`] relies on it.
     fn expires(&self) -> u64;
 
     fn table(shard: &Shard) -> &Table<Self>;
@@ -187,6 +299,7 @@ enum Update {
 // GCRA's state is its own expiry: the theoretical arrival time.
 impl Kept for Gcra {
     type Align = ();
+    const ALGORITHM: Algorithm = Algorithm::Gcra;
 
     fn fresh(_: &Policy) -> Self {
         Gcra::default()
@@ -222,6 +335,7 @@ impl Kept for Gcra {
 // So is the leaky bucket's: the time its level drains to zero.
 impl Kept for LeakyBucket {
     type Align = ();
+    const ALGORITHM: Algorithm = Algorithm::LeakyBucket;
 
     fn fresh(_: &Policy) -> Self {
         LeakyBucket::default()
@@ -263,6 +377,7 @@ struct Timed<S> {
 /// The pure algorithm behind a [`Timed`] state.
 trait Algo: Sized {
     type Align: Default;
+    const ALGORITHM: Algorithm;
     fn fresh(policy: &Policy) -> Self;
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update);
     fn apply(&mut self, policy: &Policy, update: Update);
@@ -273,6 +388,7 @@ trait Algo: Sized {
 
 impl<S: Algo> Kept for Timed<S> {
     type Align = S::Align;
+    const ALGORITHM: Algorithm = S::ALGORITHM;
 
     fn fresh(policy: &Policy) -> Self {
         Timed {
@@ -308,6 +424,7 @@ impl<S: Algo> Kept for Timed<S> {
 
 impl Algo for TokenBucket {
     type Align = ();
+    const ALGORITHM: Algorithm = Algorithm::TokenBucket;
 
     fn fresh(policy: &Policy) -> Self {
         TokenBucket::full(policy.limit(), policy.period_nanos())
@@ -342,6 +459,7 @@ impl Algo for TokenBucket {
 
 impl Algo for FixedWindow {
     type Align = ();
+    const ALGORITHM: Algorithm = Algorithm::FixedWindow;
 
     fn fresh(_: &Policy) -> Self {
         FixedWindow::default()
@@ -376,6 +494,7 @@ impl Algo for FixedWindow {
 
 impl Algo for SlidingWindow {
     type Align = CacheLine;
+    const ALGORITHM: Algorithm = Algorithm::SlidingWindow;
 
     fn fresh(_: &Policy) -> Self {
         SlidingWindow::default()
@@ -410,6 +529,7 @@ impl Algo for SlidingWindow {
 
 impl Algo for SlidingLog {
     type Align = ();
+    const ALGORITHM: Algorithm = Algorithm::SlidingLog;
 
     fn fresh(_: &Policy) -> Self {
         SlidingLog::default()
@@ -490,6 +610,118 @@ impl Shard {
         shrink(&mut self.fixed_window, &hash);
         shrink(&mut self.sliding_window, &hash);
         shrink(&mut self.sliding_log, &hash);
+    }
+
+    /// Frees at least one slot of a full shard, and returns how many live slots it forgot.
+    ///
+    /// Recovered state goes first, and costs no scan while the slot due soonest has recovered:
+    /// that one is forgotten. Otherwise one scan forgets every recovered slot, and, if the
+    /// shard is still full of live state, the sixteenth of it closest to recovery. A scan that
+    /// frees less than a thirty-second orders the sixteenth due next. So at any steady flow of
+    /// new keys, a full shard is scanned at most about once per thirty-second of its capacity
+    /// of them.
+    fn make_room(&mut self, cap: usize, now: u64, hash: impl Fn(u64, &[u8]) -> u64) -> u64 {
+        while let Some(&Reverse(due)) = self.order.due.peek() {
+            if due.at > now {
+                break;
+            }
+            self.order.due.pop();
+            let found =
+                with_kept!(due.algorithm, K => self.forget_if_recovered::<K>(due, now, &hash));
+            match found {
+                Found::Recovered => return 0,
+                Found::Live(at) => self.order.track(Due { at, ..due }),
+                Found::Gone => {}
+            }
+        }
+        self.scan(cap, now, &hash)
+    }
+
+    /// Forgets the slot of `due` if it has recovered by `now`.
+    fn forget_if_recovered<K: Kept>(
+        &mut self,
+        due: Due,
+        now: u64,
+        hash: &impl Fn(u64, &[u8]) -> u64,
+    ) -> Found {
+        // A slot is known by its hash: two slots of one table whose 64-bit keyed hashes agree
+        // may be mistaken for each other, which at worst forgets the other one if it, too, has
+        // recovered.
+        let same = |slot: &Slot<K>| hash(slot.policy, slot.key.as_bytes()) == due.hash;
+        match K::table_mut(self).find_entry(due.hash, same) {
+            Ok(slot) if slot.get().state.expires() <= now => {
+                slot.remove();
+                Found::Recovered
+            }
+            Ok(slot) => Found::Live(slot.get().state.expires()),
+            Err(_) => Found::Gone,
+        }
+    }
+
+    /// Forgets every recovered slot; if that frees less than a thirty-second of the shard,
+    /// orders the sixteenth due next, after forgetting the sixteenth closest to recovery if
+    /// the shard is still full. Returns how many live slots were forgotten.
+    fn scan(&mut self, cap: usize, now: u64, hash: &impl Fn(u64, &[u8]) -> u64) -> u64 {
+        #[cfg(test)]
+        {
+            self.order.scans += 1;
+        }
+        let before = self.len();
+        self.retain(|expires| expires > now);
+        if before - self.len() >= (cap / 32).max(1) {
+            // That much room pays for this scan: until the shard is full again, an order
+            // would cost more than it saves.
+            self.order.due.clear();
+            self.order.later = 0;
+            return 0;
+        }
+        let mut expiries = self.expiries();
+        let quota = (cap / 16).max(1);
+        let mut evicted = 0;
+        if expiries.len() >= cap {
+            evicted = quota.min(expiries.len());
+            let mut cut = Cut::smallest(&mut expiries, evicted);
+            self.retain(|expires| !cut.takes(expires));
+        }
+        // The slots forgotten are `expiries[..evicted]`; the rest are still tracked.
+        self.order_soonest(expiries.get_mut(evicted..).unwrap_or_default(), quota, hash);
+        evicted as u64
+    }
+
+    /// Puts the `n` slots closest to recovery in order; `expiries` are those of every slot.
+    fn order_soonest(&mut self, expiries: &mut [u64], n: usize, hash: &impl Fn(u64, &[u8]) -> u64) {
+        fn due_in<S: Kept>(
+            table: &Table<S>,
+            cut: &mut Cut,
+            hash: &impl Fn(u64, &[u8]) -> u64,
+            due: &mut Vec<Reverse<Due>>,
+        ) {
+            for slot in table {
+                let at = slot.state.expires();
+                if cut.takes(at) {
+                    due.push(Reverse(Due {
+                        at,
+                        hash: hash(slot.policy, slot.key.as_bytes()),
+                        algorithm: S::ALGORITHM,
+                    }));
+                }
+            }
+        }
+        let mut due = std::mem::take(&mut self.order.due).into_vec();
+        due.clear();
+        let n = n.min(expiries.len());
+        self.order.later = u64::MAX;
+        if n > 0 {
+            let mut cut = Cut::smallest(expiries, n);
+            self.order.later = cut.at;
+            due_in(&self.gcra, &mut cut, hash, &mut due);
+            due_in(&self.token_bucket, &mut cut, hash, &mut due);
+            due_in(&self.leaky_bucket, &mut cut, hash, &mut due);
+            due_in(&self.fixed_window, &mut cut, hash, &mut due);
+            due_in(&self.sliding_window, &mut cut, hash, &mut due);
+            due_in(&self.sliding_log, &mut cut, hash, &mut due);
+        }
+        self.order.due = BinaryHeap::from(due);
     }
 }
 
@@ -573,6 +805,7 @@ const _: () = {
     assert!(size_of::<Slot<Timed<SlidingWindow>>>() == 64);
     assert!(align_of::<Slot<Timed<SlidingWindow>>>() == 64);
     assert!(size_of::<Slot<Timed<SlidingLog>>>() == 80);
+    assert!(size_of::<Reverse<Due>>() == 24);
 };
 
 impl MemoryStore<SystemClock> {
@@ -724,6 +957,7 @@ impl<C: Clock> MemoryStore<C> {
                 let mut shard = s.0.lock();
                 let before = shard.len();
                 shard.retain(|expires| expires > now);
+                shard.order.reset();
                 shard.shrink_to_fit(|policy, key| self.inner.hash(policy, key));
                 before - shard.len()
             })
@@ -834,11 +1068,16 @@ impl<C> Inner<C> {
         now: u64,
     ) {
         if shard.len() >= self.shard_cap {
-            let evicted = make_room(shard, self.shard_cap, now);
+            let evicted = shard.make_room(self.shard_cap, now, |p, k| self.hash(p, k));
             if evicted > 0 {
                 self.evicted.fetch_add(evicted, Ordering::Relaxed);
             }
         }
+        shard.order.track(Due {
+            at: state.expires(),
+            hash,
+            algorithm: K::ALGORITHM,
+        });
         let slot = Slot {
             policy: policy.id(),
             key: Key::new(key),
@@ -847,32 +1086,6 @@ impl<C> Inner<C> {
         };
         K::table_mut(shard).insert_unique(hash, slot, |s| self.hash(s.policy, s.key.as_bytes()));
     }
-}
-
-/// Drops every recovered slot; if the shard is still full, forgets the sixteenth of it closest
-/// to recovery. Returns how many live slots were forgotten.
-fn make_room(shard: &mut Shard, cap: usize, now: u64) -> u64 {
-    shard.retain(|expires| expires > now);
-    let len = shard.len();
-    if len < cap {
-        return 0;
-    }
-    let quota = (cap / 16).clamp(1, len);
-    let mut expiries = shard.expiries();
-    let (_, &mut threshold, _) = expiries.select_nth_unstable(quota - 1);
-    let below = expiries.iter().filter(|&&e| e < threshold).count();
-    let mut ties = quota - below;
-    shard.retain(|expires| {
-        if expires < threshold {
-            false
-        } else if expires == threshold && ties > 0 {
-            ties -= 1;
-            false
-        } else {
-            true
-        }
-    });
-    quota as u64
 }
 
 impl<C> Clone for MemoryStore<C> {
@@ -979,8 +1192,308 @@ impl<C: Clock> MemoryStoreBuilder<C> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::Rate;
     use crate::clock::ManualClock;
+
+    /// A store of one shard that tracks at most `cap` pairs.
+    fn one_shard(cap: usize) -> MemoryStore<ManualClock> {
+        MemoryStore::builder()
+            .clock(ManualClock::new())
+            .max_keys(cap)
+            .shards(1)
+            .build()
+    }
+
+    /// How many times the store's only shard was scanned to make room.
+    fn scans(store: &MemoryStore<ManualClock>) -> u64 {
+        store.inner.shards[0].0.lock().order.scans
+    }
+
+    /// A tracked pair: its algorithm, policy and key.
+    type Pair = (String, u64, Vec<u8>);
+
+    /// Every tracked pair of the store's only shard, and its expiry.
+    fn slots(store: &MemoryStore<ManualClock>) -> Vec<(Pair, u64)> {
+        fn of<S: Kept>(table: &Table<S>, out: &mut Vec<(Pair, u64)>) {
+            for slot in table {
+                let id = (
+                    format!("{:?}", S::ALGORITHM),
+                    slot.policy,
+                    slot.key.as_bytes().to_vec(),
+                );
+                out.push((id, slot.state.expires()));
+            }
+        }
+        let shard = store.inner.shards[0].0.lock();
+        let mut out = Vec::new();
+        of(&shard.gcra, &mut out);
+        of(&shard.token_bucket, &mut out);
+        of(&shard.leaky_bucket, &mut out);
+        of(&shard.fixed_window, &mut out);
+        of(&shard.sliding_window, &mut out);
+        of(&shard.sliding_log, &mut out);
+        out
+    }
+
+    #[test]
+    fn a_full_shard_under_a_steady_flow_of_new_keys_is_scanned_once_per_sixteenth() {
+        // Each key recovers `cap` ms after its request, and a new key comes every ms: once
+        // full, the shard has exactly one recovered slot at each new key.
+        let cap = 1024;
+        let store = one_shard(cap);
+        let p = Policy::gcra(Rate::new(1, Duration::from_millis(cap as u64)), 1).unwrap();
+        let n = 20 * cap;
+        for i in 0..cap + n {
+            assert!(store.check_now(&format!("k{i}"), &p, 1).unwrap().allowed());
+            store.clock().advance(Duration::from_millis(1));
+        }
+        assert_eq!(store.len(), cap);
+        assert_eq!(store.evicted(), 0, "only recovered state was forgotten");
+        let bound = n as u64 / (cap as u64 / 16) + 1;
+        assert!(
+            scans(&store) <= bound,
+            "{} scans for {n} keys",
+            scans(&store)
+        );
+    }
+
+    #[test]
+    fn short_lived_keys_in_a_shard_full_of_long_lived_ones_cost_no_scan_each() {
+        let cap = 512;
+        let store = one_shard(cap);
+        let long = Policy::fixed_window(1, Duration::from_secs(3600)).unwrap();
+        let short = Policy::gcra(Rate::new(1, Duration::from_millis(1)), 1).unwrap();
+        for i in 0..cap {
+            store.check_now(&format!("long{i}"), &long, 1).unwrap();
+        }
+        // The first new key finds nothing recovered: a sixteenth of the live keys goes, once.
+        for i in 0..10 * cap {
+            assert!(
+                store
+                    .check_now(&format!("short{i}"), &short, 1)
+                    .unwrap()
+                    .allowed()
+            );
+            store.clock().advance(Duration::from_millis(2));
+        }
+        assert_eq!(store.len(), cap);
+        assert_eq!(store.evicted(), cap as u64 / 16);
+        assert_eq!(scans(&store), 1);
+        // The long-lived keys that were not evicted are still limited.
+        let limited = (0..cap)
+            .filter(|i| {
+                !store
+                    .check_now(&format!("long{i}"), &long, 1)
+                    .unwrap()
+                    .allowed()
+            })
+            .count();
+        assert_eq!(limited, cap - cap / 16);
+    }
+
+    #[test]
+    fn a_full_shard_forgets_live_state_only_when_none_has_recovered() {
+        let w = Duration::from_millis;
+        let policies = [
+            Policy::gcra(Rate::new(1, w(30)), 2).unwrap(),
+            Policy::token_bucket(Rate::new(1, w(50)), 2).unwrap(),
+            Policy::leaky_bucket(Rate::new(1, w(20)), 3).unwrap(),
+            Policy::fixed_window(2, w(40)).unwrap(),
+            Policy::sliding_window(2, w(60)).unwrap(),
+            Policy::sliding_log(2, w(25)).unwrap(),
+            Policy::gcra(Rate::new(1, w(400)), 1).unwrap(),
+        ];
+        for seed in 1..=8u64 {
+            let cap = 64;
+            let store = one_shard(cap);
+            let quota = cap / 16;
+            let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut next = |n: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % n
+            };
+            let (mut fresh, mut without_scan) = (0, 0);
+            for i in 0..3000 {
+                // Phases of many new keys (the shard fills with live state) and of few.
+                let pause = if i / 250 % 2 == 0 { 2 } else { 10 };
+                store.clock().advance(w(next(pause)));
+                let p = &policies[next(policies.len() as u64) as usize];
+                // Mostly new keys; some old ones again, which moves their expiry later.
+                let key = match next(3) {
+                    0 => format!("k{}", next(fresh + 1)),
+                    _ => {
+                        fresh += 1;
+                        format!("k{fresh}")
+                    }
+                };
+                let now = store.clock().now();
+                let before = slots(&store);
+                let (evicted, scanned) = (store.evicted(), scans(&store));
+                store.check_now(&key, p, 1).unwrap();
+                let after = slots(&store);
+                assert!(after.len() <= cap);
+                let kept = |id: &Pair| after.iter().any(|(a, _)| a == id);
+                let forgotten: Vec<u64> = before
+                    .iter()
+                    .filter(|(id, _)| !kept(id))
+                    .map(|&(_, e)| e)
+                    .collect();
+                let live: Vec<u64> = forgotten.iter().copied().filter(|&e| e > now).collect();
+                assert_eq!(store.evicted() - evicted, live.len() as u64, "seed {seed}");
+                if !forgotten.is_empty() && scans(&store) == scanned {
+                    // Room made from the order: one recovered slot.
+                    assert!(forgotten.len() == 1 && live.is_empty(), "seed {seed}");
+                    without_scan += 1;
+                }
+                if live.is_empty() {
+                    continue;
+                }
+                // Live state went only because the shard was full of it: nothing recovered is
+                // left, and what went was the sixteenth closest to recovery.
+                assert_eq!(before.len(), cap, "seed {seed}");
+                assert!(forgotten.len() == live.len(), "seed {seed}: {forgotten:?}");
+                assert_eq!(live.len(), quota, "seed {seed}");
+                let latest = live.iter().max().copied().unwrap_or(0);
+                let survivors = before.iter().filter(|(id, _)| kept(id));
+                assert!(survivors.clone().all(|&(_, e)| e > now), "seed {seed}");
+                assert!(survivors.clone().all(|&(_, e)| e >= latest), "seed {seed}");
+            }
+            eprintln!(
+                "DEBUG seed {seed} evicted {} scans {} without {without_scan}",
+                store.evicted(),
+                scans(&store)
+            );
+            // The test reaches a shard full of live state, and one that frees recovered state
+            // without a scan.
+            assert!(store.evicted() > 0, "seed {seed}");
+            assert!(without_scan > 0, "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn a_pair_delayed_after_it_was_ordered_is_kept_until_it_recovers() {
+        let ms = Duration::from_millis;
+        let store = one_shard(64);
+        let due_in = |n| Policy::gcra(Rate::new(1, ms(n)), 5).unwrap();
+        let long = Policy::fixed_window(1, Duration::from_secs(3600)).unwrap();
+        let tracked = |key: &str| {
+            slots(&store)
+                .iter()
+                .any(|((_, _, k), _)| k == key.as_bytes())
+        };
+        store.check_now("r", &due_in(5), 1).unwrap();
+        store.check_now("s", &due_in(10), 1).unwrap();
+        store.check_now("q", &due_in(12), 1).unwrap();
+        for i in 0..61 {
+            store.check_now(&format!("long{i}"), &long, 1).unwrap();
+        }
+        // Full, and only r has recovered: one scan frees it and orders s, q and two others.
+        store.clock().set(ms(5));
+        store.check_now("x", &long, 1).unwrap();
+        assert!(!tracked("r"));
+        assert_eq!(scans(&store), 1);
+        // s is used again: it now recovers at 20 ms.
+        store.clock().set(ms(6));
+        assert!(store.check_now("s", &due_in(10), 1).unwrap().allowed());
+        // At 15 ms s is still live, q has recovered: q goes, s stays, and no scan.
+        store.clock().set(ms(15));
+        store.check_now("y", &long, 1).unwrap();
+        assert!(tracked("s") && !tracked("q"));
+        // At 20 ms s has recovered: it goes, still without a scan.
+        store.clock().set(ms(20));
+        store.check_now("z", &long, 1).unwrap();
+        assert!(!tracked("s"));
+        assert_eq!(scans(&store), 1);
+        assert_eq!(store.evicted(), 0);
+        assert_eq!(store.len(), 64);
+    }
+
+    #[test]
+    fn a_scan_that_frees_a_thirty_second_of_the_shard_keeps_no_order() {
+        let ms = Duration::from_millis;
+        let store = one_shard(64);
+        let p = Policy::gcra(Rate::new(1, ms(64)), 1).unwrap();
+        for i in 0..64 {
+            store.check_now(&format!("k{i}"), &p, 1).unwrap();
+            store.clock().advance(ms(1));
+        }
+        // k0 and k1 have recovered at 65 ms: two slots, a thirty-second.
+        store.clock().set(ms(65));
+        store.check_now("new", &p, 1).unwrap();
+        assert_eq!(store.len(), 63);
+        let shard = store.inner.shards[0].0.lock();
+        assert_eq!(shard.order.scans, 1);
+        assert!(shard.order.due.is_empty());
+        assert_eq!(shard.order.later, 0);
+    }
+
+    #[test]
+    fn the_smallest_stores_keep_their_bound_and_order() {
+        for cap in 1..=3 {
+            let store = one_shard(cap);
+            let live = Policy::fixed_window(1, Duration::from_secs(3600)).unwrap();
+            let short = Policy::gcra(Rate::new(1, Duration::from_millis(1)), 1).unwrap();
+            for i in 0..50 {
+                store.check_now(&format!("live{i}"), &live, 1).unwrap();
+                assert_eq!(store.len(), cap.min(i + 1), "cap {cap}");
+            }
+            assert_eq!(store.evicted(), (50 - cap) as u64, "cap {cap}");
+            for i in 0..50 {
+                store.check_now(&format!("short{i}"), &short, 1).unwrap();
+                store.clock().advance(Duration::from_millis(1));
+                assert!(store.len() <= cap, "cap {cap}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_sweep_forgets_only_recovered_state_and_returns_its_memory() {
+        let store = one_shard(4096);
+        let p = Policy::gcra(Rate::new(1, Duration::from_millis(10)), 1).unwrap();
+        for i in 0..1000 {
+            store.check_now(&format!("old{i}"), &p, 1).unwrap();
+        }
+        store.clock().advance(Duration::from_millis(5));
+        for i in 0..10 {
+            store.check_now(&format!("live{i}"), &p, 1).unwrap();
+        }
+        // The old keys recover exactly now.
+        store.clock().advance(Duration::from_millis(5));
+        let buckets = store.inner.shards[0].0.lock().gcra.num_buckets();
+        assert_eq!(store.sweep(), 1000);
+        assert_eq!(store.len(), 10);
+        assert!(store.inner.shards[0].0.lock().gcra.num_buckets() < buckets);
+        for i in 0..10 {
+            let d = store.check_now(&format!("live{i}"), &p, 1).unwrap();
+            assert!(!d.allowed(), "live{i} is still limited");
+        }
+    }
+
+    #[test]
+    fn a_sweep_forgets_the_order_with_the_recovered_state() {
+        // One key recovers per new key: each scan frees one slot, and orders the next ones.
+        let store = one_shard(64);
+        let p = Policy::gcra(Rate::new(1, Duration::from_millis(64)), 1).unwrap();
+        for i in 0..200 {
+            store.check_now(&format!("k{i}"), &p, 1).unwrap();
+            store.clock().advance(Duration::from_millis(1));
+        }
+        {
+            let shard = store.inner.shards[0].0.lock();
+            assert!(shard.order.due.capacity() > 0 && shard.order.later > 0);
+        }
+        store.clock().advance(Duration::from_millis(64));
+        let tracked = store.len();
+        assert_eq!(store.sweep(), tracked);
+        let shard = store.inner.shards[0].0.lock();
+        assert_eq!(shard.order.due.capacity(), 0);
+        assert_eq!(shard.order.later, 0);
+    }
 
     #[test]
     fn keys_short_and_long_keep_their_bytes() {
