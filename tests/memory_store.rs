@@ -303,3 +303,112 @@ async fn the_store_trait_serves_generic_code() {
     let empty = store.check_all(&[]).await.unwrap();
     assert!(empty.allowed());
 }
+
+/// One policy per algorithm, limit 3, with the instant at which a key exhausted at 1 s has
+/// fully recovered, worked out by hand.
+fn exhausted_at_one_second() -> Vec<(Policy, Duration)> {
+    let w = Duration::from_secs(10);
+    let rate = Rate::per_second(1);
+    let s = Duration::from_secs;
+    vec![
+        // The count of window [0, 10 s) is gone when the window ends.
+        (Policy::fixed_window(3, w).unwrap(), s(10)),
+        // The entries logged at 1 s leave the window (t - 10 s, t] at 11 s.
+        (Policy::sliding_log(3, w).unwrap(), s(11)),
+        // The count of window 0 still weighs on window 1, until it ends.
+        (Policy::sliding_window(3, w).unwrap(), s(20)),
+        // Three tokens, or three units of level or of TAT, at one a second.
+        (Policy::token_bucket(rate, 3).unwrap(), s(4)),
+        (Policy::leaky_bucket(rate, 3).unwrap(), s(4)),
+        (Policy::gcra(rate, 3).unwrap(), s(4)),
+    ]
+}
+
+/// Uses up `key`'s whole limit at the clock's current time; returns the last admission.
+fn exhaust(store: &MemoryStore<ManualClock>, key: &str, policy: &Policy) -> Decision {
+    let d = store.check_now(key, policy, policy.limit()).unwrap();
+    assert!(d.allowed(), "{policy:?}");
+    assert_eq!(d.remaining(), 0, "{policy:?}");
+    d
+}
+
+#[test]
+fn sweeping_forgets_only_recovered_state() {
+    const NS: Duration = Duration::from_nanos(1);
+    for (policy, recovered) in exhausted_at_one_second() {
+        let clock = ManualClock::new();
+        let store = MemoryStore::with_clock(clock.clone());
+        // A zero cost peeks without writing, so "never-seen" stays a fresh key throughout.
+        let peek = |key: &str| store.check_now(key, &policy, 0).unwrap();
+        clock.set(Duration::from_secs(1));
+        let d = exhaust(&store, "k", &policy);
+        assert_eq!(
+            d.reset_after(),
+            recovered - Duration::from_secs(1),
+            "{policy:?}"
+        );
+
+        // Exhausted: a sweep forgets nothing and the next request is still refused.
+        assert_eq!(store.sweep(), 0, "{policy:?}");
+        assert!(
+            !store.check_now("k", &policy, 1).unwrap().allowed(),
+            "{policy:?}"
+        );
+
+        // One nanosecond before recovery the state still tells from a fresh one.
+        clock.set(recovered - NS);
+        assert_ne!(peek("k"), peek("never-seen"), "{policy:?}");
+        assert_eq!(store.sweep(), 0, "{policy:?}: live state swept");
+        assert_eq!(store.len(), 1, "{policy:?}");
+
+        // At the instant of recovery it decides like a fresh key, and a sweep forgets it.
+        clock.set(recovered);
+        assert_eq!(peek("k"), peek("never-seen"), "{policy:?}");
+        assert_eq!(store.sweep(), 1, "{policy:?}: recovered state kept");
+        assert!(store.is_empty());
+        assert_eq!(
+            exhaust(&store, "k", &policy),
+            exhaust(&store, "twin", &policy),
+            "{policy:?}"
+        );
+    }
+}
+
+#[test]
+fn a_full_store_makes_room_from_recovered_state_and_counts_live_state_it_forgets() {
+    const NS: Duration = Duration::from_nanos(1);
+    // The same algorithms over 60 s or at one an hour: live for the whole test.
+    let long = every_algorithm(3);
+    for ((policy, recovered), long) in exhausted_at_one_second().into_iter().zip(&long) {
+        assert_eq!(policy.algorithm(), long.algorithm());
+        for (at, recovered_by_then) in [(recovered - NS, false), (recovered, true)] {
+            let clock = ManualClock::new();
+            // One shard of four keys: "old", exhausted at 1 s, and three long-lived ones.
+            let store = MemoryStore::builder()
+                .clock(clock.clone())
+                .shards(1)
+                .max_keys(4)
+                .build();
+            clock.set(Duration::from_secs(1));
+            exhaust(&store, "old", &policy);
+            for key in ["a", "b", "c"] {
+                exhaust(&store, key, long);
+            }
+            // A new key needs room.
+            clock.set(at);
+            exhaust(&store, "new", long);
+            assert!(store.len() <= 4, "{policy:?}");
+            if recovered_by_then {
+                // Only the recovered key could go, and forgetting it is not an eviction.
+                assert_eq!(store.evicted(), 0, "{policy:?} at {at:?}");
+                for key in ["a", "b", "c", "new"] {
+                    let d = store.check_now(key, long, 1).unwrap();
+                    assert!(!d.allowed(), "{policy:?}: {key} forgotten at {at:?}");
+                }
+            } else {
+                // Every key is live: whatever went is counted.
+                assert!(store.evicted() > 0, "{policy:?} at {at:?}");
+            }
+        }
+    }
+}

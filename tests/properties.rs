@@ -58,6 +58,21 @@ impl Machine {
     }
 }
 
+impl Machine {
+    /// When the state will be indistinguishable from a fresh one, by the algorithm's own
+    /// account (what the store sweeps and evicts by).
+    fn recovered_at(&self, limit: u64, period: u64) -> u64 {
+        match self {
+            Machine::Fixed(s) => s.recovered_at(period),
+            Machine::Log(log) => log.recovered_at(period),
+            Machine::Sliding(s) => s.recovered_at(period),
+            Machine::Token(s) => s.recovered_at(limit, period),
+            Machine::Leaky(s) => s.recovered_at(),
+            Machine::Gcra(s) => s.recovered_at(),
+        }
+    }
+}
+
 fn apply<S: Copy + PartialEq + std::fmt::Debug>(
     s: &mut S,
     write: bool,
@@ -233,10 +248,46 @@ proptest! {
                 prop_assert!(m.peek(limit, period, t + wait, cost).allowed(), "{algorithm} at +{wait}: {d:?}");
                 prop_assert!(!m.peek(limit, period, t + wait - 1, cost).allowed(), "{algorithm} at +{wait}-1: {d:?}");
             }
-            // After `reset_after` the state is as good as new.
+            // After `reset_after` the state is as good as new: it ends exactly when the state
+            // has recovered (the property below pins `recovered_at` itself).
             let reset = d.reset_after().as_nanos() as u64;
             let later = m.peek(limit, period, t + reset, 0);
             prop_assert_eq!(later.remaining(), limit, "{} {:?}", algorithm, d);
+            prop_assert_eq!(t + reset, m.recovered_at(limit, period).max(t), "{} {:?}", algorithm, d);
+        }
+    }
+
+    #[test]
+    fn recovered_at_is_the_first_instant_from_which_a_fresh_state_decides_the_same(
+        alg in 0usize..6, limit in 1u64..12, period_ms in 1u64..1_500, trace in trace(4),
+        then in trace(4)
+    ) {
+        let algorithm = ALL[alg];
+        let period = period_ms * 1_000_000;
+        let fresh = Machine::new(algorithm, limit, period);
+        let mut kept = fresh.clone();
+        let mut written = false;
+        for (t, cost) in times(&trace) {
+            let cost = cost.min(limit);
+            written |= kept.check(limit, period, t, cost).allowed() && cost > 0;
+        }
+        let at = kept.recovered_at(limit, period);
+        let same = |now: u64| {
+            (0..=limit).all(|c| kept.peek(limit, period, now, c) == fresh.peek(limit, period, now, c))
+        };
+        // A state that anything was written to is not forgotten a nanosecond early...
+        if written {
+            prop_assert!(at > 0 && !same(at - 1), "{algorithm} at {at} - 1: {kept:?}");
+        }
+        // ...and forgetting it at `at`, or any time later, changes no decision.
+        prop_assert!(same(at), "{algorithm} at {at}: {kept:?}");
+        prop_assert!(same(at + 1), "{algorithm} at {at} + 1: {kept:?}");
+        let mut forgotten = fresh.clone();
+        for (t, cost) in times(&then) {
+            let cost = cost.min(limit);
+            let a = kept.check(limit, period, at + t, cost);
+            let b = forgotten.check(limit, period, at + t, cost);
+            prop_assert_eq!(a, b, "{} at {} + {}", algorithm, at, t);
         }
     }
 

@@ -50,3 +50,36 @@ impl FixedWindow {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::FixedWindow;
+
+    #[test]
+    fn an_empty_window_has_nothing_to_reset() {
+        const W: u64 = 1_000;
+        // A fresh key, and one whose count belongs to an earlier window.
+        for state in [
+            FixedWindow::default(),
+            FixedWindow {
+                window: 0,
+                count: 3,
+            },
+        ] {
+            for now in [1_000, 1_001, 1_999] {
+                let (_, d) = state.check(3, W, now, 0);
+                assert!(d.allowed());
+                assert_eq!(d.reset_after(), Duration::ZERO, "{state:?} at {now}");
+                // A cost above the limit is refused, and there is still nothing to reset.
+                let (_, d) = state.check(3, W, now, 4);
+                assert!(!d.allowed());
+                assert_eq!(d.reset_after(), Duration::ZERO, "{state:?} at {now}");
+            }
+        }
+        // Once something is counted, the window's end is the reset.
+        let (_, d) = FixedWindow::default().check(3, W, 1_250, 1);
+        assert_eq!(d.reset_after(), Duration::from_nanos(750));
+    }
+}

@@ -108,3 +108,29 @@ impl SlidingLog {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::SlidingLog;
+
+    #[test]
+    fn the_log_merges_equal_times_and_prunes_on_the_next_admission() {
+        const W: u64 = 1_000;
+        let mut log = SlidingLog::default();
+        assert!(log.is_empty());
+        assert_eq!((log.len(), log.entries().count()), (0, 0));
+        log.record(W, 100, 0);
+        assert!(log.is_empty(), "a zero cost records nothing");
+        log.record(W, 100, 2);
+        log.record(W, 100, 1);
+        log.record(W, 600, 3);
+        assert!(!log.is_empty());
+        assert_eq!(log.len(), 2);
+        assert_eq!(log.entries().collect::<Vec<_>>(), [(100, 3), (600, 3)]);
+        // The entry of 100 expires at 1100, but lingers until an admission prunes it.
+        assert_eq!(log.check(10, W, 1_100, 0).remaining(), 7);
+        assert_eq!(log.len(), 2);
+        log.record(W, 1_100, 1);
+        assert_eq!(log.entries().collect::<Vec<_>>(), [(600, 3), (1_100, 1)]);
+    }
+}

@@ -132,3 +132,64 @@ impl SlidingWindow {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::SlidingWindow;
+
+    #[test]
+    fn recovered_at_is_when_both_counts_have_aged_out() {
+        const W: u64 = 1_000;
+        const LIMIT: u64 = 4;
+        let fresh = SlidingWindow::default();
+        for (state, at) in [
+            // Counts in window 5 weigh on window 6, until it ends.
+            (
+                SlidingWindow {
+                    window: 5,
+                    prev: 3,
+                    cur: 2,
+                },
+                7_000,
+            ),
+            // What a zero-cost admission leaves in a new window: only the previous count.
+            (
+                SlidingWindow {
+                    window: 5,
+                    prev: 3,
+                    cur: 0,
+                },
+                6_000,
+            ),
+            (
+                SlidingWindow {
+                    window: 5,
+                    prev: 0,
+                    cur: 0,
+                },
+                0,
+            ),
+            (fresh, 0),
+        ] {
+            assert_eq!(state.recovered_at(W), at, "{state:?}");
+            // From then on (and never before the state's own window) it decides like a fresh
+            // state and moves to the same next state...
+            let from = at.max(5_000);
+            for now in [from, from + 1, from + W] {
+                for cost in 0..=LIMIT {
+                    let kept = state.check(LIMIT, W, now, cost);
+                    assert_eq!(kept, fresh.check(LIMIT, W, now, cost), "{state:?} at {now}");
+                }
+            }
+            // ...and not one nanosecond earlier.
+            if at > 5_000 {
+                let kept = state.check(LIMIT, W, at - 1, 0);
+                assert_ne!(
+                    kept,
+                    fresh.check(LIMIT, W, at - 1, 0),
+                    "{state:?} at {at} - 1"
+                );
+            }
+        }
+    }
+}
