@@ -42,7 +42,7 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 512;
 /// - **Amortised O(1) when full.** A full shard in which little has recovered keeps the
 ///   sixteenth of its pairs due to recover soonest in order, and forgets the first of them
 ///   once it has recovered without looking at the others: whatever the rate of new keys, it
-///   scans all its pairs at most about once per thirty-second of its capacity of new keys (or
+///   scans all its pairs at most about once per sixty-fourth of its capacity of new keys (or
 ///   of requests that delay the recovery of a pair in that order).
 /// - **Cost per key.** A tracked pair takes one slot in its algorithm's hash table, plus a
 ///   control byte and the table's spare capacity: 40 bytes for GCRA, 48 for the leaky bucket,
@@ -617,8 +617,8 @@ impl Shard {
     /// Recovered state goes first, and costs no scan while the slot due soonest has recovered:
     /// that one is forgotten. Otherwise one scan forgets every recovered slot, and, if the
     /// shard is still full of live state, the sixteenth of it closest to recovery. A scan that
-    /// frees less than a thirty-second orders the sixteenth due next. So at any steady flow of
-    /// new keys, a full shard is scanned at most about once per thirty-second of its capacity
+    /// frees less than a sixty-fourth orders the sixteenth due next. So at any steady flow of
+    /// new keys, a full shard is scanned at most about once per sixty-fourth of its capacity
     /// of them.
     fn make_room(&mut self, cap: usize, now: u64, hash: impl Fn(u64, &[u8]) -> u64) -> u64 {
         while let Some(&Reverse(due)) = self.order.due.peek() {
@@ -658,7 +658,7 @@ impl Shard {
         }
     }
 
-    /// Forgets every recovered slot; if that frees less than a thirty-second of the shard,
+    /// Forgets every recovered slot; if that frees less than a sixty-fourth of the shard,
     /// orders the sixteenth due next, after forgetting the sixteenth closest to recovery if
     /// the shard is still full. Returns how many live slots were forgotten.
     fn scan(&mut self, cap: usize, now: u64, hash: &impl Fn(u64, &[u8]) -> u64) -> u64 {
@@ -668,7 +668,7 @@ impl Shard {
         }
         let before = self.len();
         self.retain(|expires| expires > now);
-        if before - self.len() >= (cap / 32).max(1) {
+        if before - self.len() >= (cap / 64).max(1) {
             // That much room pays for this scan: until the shard is full again, an order
             // would cost more than it saves.
             self.order.due.clear();
@@ -1307,7 +1307,7 @@ mod tests {
             Policy::gcra(Rate::new(1, w(400)), 1).unwrap(),
         ];
         for seed in 1..=8u64 {
-            let cap = 64;
+            let cap = 128;
             let store = one_shard(cap);
             let quota = cap / 16;
             let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -1319,8 +1319,9 @@ mod tests {
             };
             let (mut fresh, mut without_scan) = (0, 0);
             for i in 0..3000 {
-                // Phases of many new keys (the shard fills with live state) and of few.
-                let pause = if i / 250 % 2 == 0 { 2 } else { 10 };
+                // Phases of new keys all at one time (the shard fills with live state, many
+                // expiring together) and of new keys spread out.
+                let pause = if i / 250 % 2 == 0 { 1 } else { 10 };
                 store.clock().advance(w(next(pause)));
                 let p = &policies[next(policies.len() as u64) as usize];
                 // Mostly new keys; some old ones again, which moves their expiry later.
@@ -1363,11 +1364,6 @@ mod tests {
                 assert!(survivors.clone().all(|&(_, e)| e > now), "seed {seed}");
                 assert!(survivors.clone().all(|&(_, e)| e >= latest), "seed {seed}");
             }
-            eprintln!(
-                "DEBUG seed {seed} evicted {} scans {} without {without_scan}",
-                store.evicted(),
-                scans(&store)
-            );
             // The test reaches a shard full of live state, and one that frees recovered state
             // without a scan.
             assert!(store.evicted() > 0, "seed {seed}");
@@ -1378,7 +1374,7 @@ mod tests {
     #[test]
     fn a_pair_delayed_after_it_was_ordered_is_kept_until_it_recovers() {
         let ms = Duration::from_millis;
-        let store = one_shard(64);
+        let store = one_shard(128);
         let due_in = |n| Policy::gcra(Rate::new(1, ms(n)), 5).unwrap();
         let long = Policy::fixed_window(1, Duration::from_secs(3600)).unwrap();
         let tracked = |key: &str| {
@@ -1389,10 +1385,10 @@ mod tests {
         store.check_now("r", &due_in(5), 1).unwrap();
         store.check_now("s", &due_in(10), 1).unwrap();
         store.check_now("q", &due_in(12), 1).unwrap();
-        for i in 0..61 {
+        for i in 0..125 {
             store.check_now(&format!("long{i}"), &long, 1).unwrap();
         }
-        // Full, and only r has recovered: one scan frees it and orders s, q and two others.
+        // Full, and only r has recovered: one scan frees it and orders s, q and six others.
         store.clock().set(ms(5));
         store.check_now("x", &long, 1).unwrap();
         assert!(!tracked("r"));
@@ -1410,22 +1406,22 @@ mod tests {
         assert!(!tracked("s"));
         assert_eq!(scans(&store), 1);
         assert_eq!(store.evicted(), 0);
-        assert_eq!(store.len(), 64);
+        assert_eq!(store.len(), 128);
     }
 
     #[test]
-    fn a_scan_that_frees_a_thirty_second_of_the_shard_keeps_no_order() {
+    fn a_scan_that_frees_a_sixty_fourth_of_the_shard_keeps_no_order() {
         let ms = Duration::from_millis;
-        let store = one_shard(64);
-        let p = Policy::gcra(Rate::new(1, ms(64)), 1).unwrap();
-        for i in 0..64 {
+        let store = one_shard(128);
+        let p = Policy::gcra(Rate::new(1, ms(128)), 1).unwrap();
+        for i in 0..128 {
             store.check_now(&format!("k{i}"), &p, 1).unwrap();
             store.clock().advance(ms(1));
         }
-        // k0 and k1 have recovered at 65 ms: two slots, a thirty-second.
-        store.clock().set(ms(65));
+        // k0 and k1 have recovered at 129 ms: two slots, a sixty-fourth.
+        store.clock().set(ms(129));
         store.check_now("new", &p, 1).unwrap();
-        assert_eq!(store.len(), 63);
+        assert_eq!(store.len(), 127);
         let shard = store.inner.shards[0].0.lock();
         assert_eq!(shard.order.scans, 1);
         assert!(shard.order.due.is_empty());
@@ -1477,9 +1473,9 @@ mod tests {
     #[test]
     fn a_sweep_forgets_the_order_with_the_recovered_state() {
         // One key recovers per new key: each scan frees one slot, and orders the next ones.
-        let store = one_shard(64);
-        let p = Policy::gcra(Rate::new(1, Duration::from_millis(64)), 1).unwrap();
-        for i in 0..200 {
+        let store = one_shard(128);
+        let p = Policy::gcra(Rate::new(1, Duration::from_millis(128)), 1).unwrap();
+        for i in 0..400 {
             store.check_now(&format!("k{i}"), &p, 1).unwrap();
             store.clock().advance(Duration::from_millis(1));
         }
@@ -1487,7 +1483,7 @@ mod tests {
             let shard = store.inner.shards[0].0.lock();
             assert!(shard.order.due.capacity() > 0 && shard.order.later > 0);
         }
-        store.clock().advance(Duration::from_millis(64));
+        store.clock().advance(Duration::from_millis(128));
         let tracked = store.len();
         assert_eq!(store.sweep(), tracked);
         let shard = store.inner.shards[0].0.lock();
