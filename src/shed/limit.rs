@@ -346,6 +346,43 @@ mod tests {
         assert_eq!(Limit::fixed(7).bounds(1, 100).controller().limit(), 7);
     }
 
+    /// A window closes at its tenth sample once it spans two round trips, and speaks for its
+    /// median, not its fastest or slowest sample.
+    #[test]
+    fn a_window_holds_ten_samples_and_reads_its_median() {
+        let mut w = Window::default();
+        let ms = 1_000_000;
+        // Ten distinct times, shuffled, completing long after they started.
+        let times = [7, 3, 10, 1, 6, 9, 2, 8, 5, 4];
+        for (i, &t) in times.iter().enumerate() {
+            let sample = Sample {
+                at: 10_000 * ms + i as u64,
+                nanos: t * ms,
+                in_flight: 1,
+                failed: false,
+            };
+            let summary = w.add(sample, ms);
+            if i < 9 {
+                assert!(summary.is_none(), "closed after {} samples", i + 1);
+            } else {
+                let summary = summary.expect("the tenth sample closes the window");
+                assert_eq!(summary.count, 10);
+                assert_eq!(summary.typical, 6 * ms);
+            }
+        }
+        // Not long enough: ten samples within one round trip keep the window open.
+        let mut w = Window::default();
+        for i in 0..10 {
+            let sample = Sample {
+                at: 100 * ms + i,
+                nanos: 100 * ms,
+                in_flight: 1,
+                failed: false,
+            };
+            assert!(w.add(sample, 100 * ms).is_none());
+        }
+    }
+
     /// A stray failure is not overload; one request in twenty failing is.
     #[test]
     fn a_window_fails_from_one_in_twenty() {
