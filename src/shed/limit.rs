@@ -449,5 +449,13 @@ mod tests {
         // Two thirds of the time is queueing.
         feed(&mut c, &mut at, 1_000, 300, grown, false);
         assert!(c.limit() < grown, "a long queue: shrinks, {}", c.limit());
+        // Half the limit in flight is the limit in use (and less is not).
+        let mut c = Limit::vegas(20).controller();
+        let mut at = 0;
+        feed(&mut c, &mut at, 1_000, 100, 10, false);
+        assert!(c.limit() > 20, "half in use: grows, {}", c.limit());
+        let mut c = Limit::vegas(20).controller();
+        feed(&mut c, &mut at, 1_000, 100, 9, false);
+        assert_eq!(c.limit(), 20, "under half: unchanged");
     }
 }
