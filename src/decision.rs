@@ -242,6 +242,18 @@ mod tests {
     }
 
     #[test]
+    fn durations_beyond_u64_nanoseconds_saturate() {
+        let max = Duration::from_nanos(u64::MAX);
+        for beyond in [max + Duration::from_nanos(1), Duration::MAX] {
+            let d = Decision::admitted(1, 0, beyond);
+            assert_eq!(d.reset_after(), max);
+            let d = Decision::rejected(1, 0, beyond, beyond);
+            assert_eq!((d.reset_after(), d.retry_after()), (max, Some(max)));
+        }
+        assert_eq!(Decision::admitted(1, 0, max).reset_after(), max);
+    }
+
+    #[test]
     fn header_seconds_round_up_and_rejections_always_wait() {
         let d = Decision::rejected(1, 0, Duration::ZERO, Duration::ZERO);
         assert_eq!(d.retry_after(), Some(Duration::from_nanos(1)));

@@ -405,6 +405,58 @@ mod tests {
     }
 
     #[test]
+    fn too_large_errors_name_the_value_and_the_bound() {
+        let s = Duration::from_secs(1);
+        let max = MAX_SLIDING_LOG_LIMIT;
+        assert_eq!(Policy::sliding_log(max, s).unwrap().limit(), max);
+        assert_eq!(
+            Policy::sliding_log(max + 1, s),
+            Err(PolicyError::TooLarge {
+                what: "sliding log limit",
+                value: u128::from(max) + 1,
+                max: u128::from(max),
+            })
+        );
+        // An hour in nanoseconds, times the burst: the product, not a wrapped or clamped one.
+        assert_eq!(
+            Policy::gcra(Rate::per_hour(1), u64::MAX / 1_000),
+            Err(PolicyError::TooLarge {
+                what: "burst times interval (ns)",
+                value: 3_600_000_000_000 * u128::from(u64::MAX / 1_000),
+                max: u128::from(u64::MAX),
+            })
+        );
+    }
+
+    #[test]
+    fn rates_algorithms_and_policies_describe_themselves() {
+        let rate = Rate::new(7, Duration::from_secs(3));
+        assert_eq!((rate.count(), rate.per()), (7, Duration::from_secs(3)));
+        assert_eq!(Rate::per_minute(2).count(), 2);
+        let names = [
+            (Algorithm::FixedWindow, "fixed_window"),
+            (Algorithm::SlidingLog, "sliding_log"),
+            (Algorithm::SlidingWindow, "sliding_window"),
+            (Algorithm::TokenBucket, "token_bucket"),
+            (Algorithm::LeakyBucket, "leaky_bucket"),
+            (Algorithm::Gcra, "gcra"),
+        ];
+        for (algorithm, name) in names {
+            assert_eq!(algorithm.as_str(), name);
+            assert_eq!(algorithm.to_string(), name);
+        }
+        let p = Policy::gcra(Rate::per_second(5), 10).unwrap();
+        assert_eq!(
+            format!("{p:?}"),
+            "Policy { algorithm: Gcra, limit: 10, interval: 200ms }"
+        );
+        assert_eq!(
+            format!("{:?}", p.named("api").unwrap()),
+            r#"Policy { algorithm: Gcra, limit: 10, interval: 200ms, name: "api" }"#
+        );
+    }
+
+    #[test]
     fn interval_rounds_up() {
         let p = Policy::token_bucket(Rate::per_second(3), 1).unwrap();
         assert_eq!(p.interval(), Duration::from_nanos(333_333_334));
