@@ -66,3 +66,79 @@ where
         Err(refusal) => ResponseFuture::refused(answer(&parts, refusal).map(ResBody::refusal)),
     }
 }
+
+/// The service of an in-flight layer: the inner service and the layer's shared state, with
+/// `call` admitting through `$admit` (a place, [`Held`]) or answering through `$refuse`. Both
+/// layers' services are this one shape, written once.
+macro_rules! in_flight_service {
+    (
+        $(#[$doc:meta])*
+        $name:ident,
+        |$shared:ident, $parts:ident| admit: $admit:expr,
+        refuse: |$rparts:ident, $refusal:ident| $refuse:expr $(,)?
+    ) => {
+        $(#[$doc])*
+        pub struct $name<S> {
+            inner: S,
+            shared: std::sync::Arc<Shared>,
+        }
+
+        impl<S> $name<S> {
+            pub(crate) fn new(inner: S, shared: std::sync::Arc<Shared>) -> Self {
+                Self { inner, shared }
+            }
+
+            /// The inner service.
+            pub fn get_ref(&self) -> &S {
+                &self.inner
+            }
+        }
+
+        impl<S: Clone> Clone for $name<S> {
+            fn clone(&self) -> Self {
+                Self {
+                    inner: self.inner.clone(),
+                    shared: self.shared.clone(),
+                }
+            }
+        }
+
+        impl<S: std::fmt::Debug> std::fmt::Debug for $name<S> {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($name))
+                    .field("inner", &self.inner)
+                    .finish_non_exhaustive()
+            }
+        }
+
+        impl<S, ReqBody, ResBody> tower_service::Service<http::Request<ReqBody>> for $name<S>
+        where
+            S: tower_service::Service<http::Request<ReqBody>, Response = http::Response<ResBody>>
+                + Clone,
+            ResBody: $crate::answer::RefusalBody,
+        {
+            type Response = http::Response<$crate::inflight::PermitBody<ResBody>>;
+            type Error = S::Error;
+            type Future = $crate::inflight::ResponseFuture<S::Future, ResBody>;
+
+            fn poll_ready(
+                &mut self,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<Result<(), Self::Error>> {
+                self.inner.poll_ready(cx)
+            }
+
+            fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
+                let $shared = &self.shared;
+                $crate::inflight::call(
+                    &mut self.inner,
+                    request,
+                    |$parts| $admit,
+                    |$rparts, $refusal| $refuse,
+                )
+            }
+        }
+    };
+}
+
+pub(crate) use in_flight_service;
