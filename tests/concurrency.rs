@@ -481,3 +481,98 @@ async fn missing_keys_and_bad_configuration() {
     ));
     assert!(err(b()).to_string().contains(".total"));
 }
+
+fn queued(max: u32, total: Option<u32>, max_waiting: usize) -> ConcurrencyLimitLayer {
+    let mut builder = ConcurrencyLimitLayer::builder()
+        .rule(
+            Rule::new("per-user").key(Header::from_static("x-user")),
+            max,
+        )
+        .queue(max_waiting, Duration::from_millis(100));
+    if let Some(total) = total {
+        builder = builder.total(total);
+    }
+    builder.build().unwrap()
+}
+
+/// With a queue, a request that finds its key full waits for a place: it gets the place as
+/// soon as one is given back, with no time passing.
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_gets_the_first_place_given_back() {
+    let limits = queued(1, None, 4);
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let first = service.clone().oneshot(request("a", "/")).await.unwrap();
+    let start = tokio::time::Instant::now();
+    let second = tokio::spawn(service.clone().oneshot(request("a", "/")));
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 1);
+    // Another key does not wait and does not wake the waiter.
+    let other = service.clone().oneshot(request("b", "/")).await.unwrap();
+    assert_eq!(other.status(), StatusCode::OK);
+    drop(other);
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 1);
+    drop(first);
+    let second = second.await.unwrap().unwrap();
+    assert_eq!(second.status(), StatusCode::OK);
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(limits.queued(), 0);
+    assert_eq!(limits.in_flight("per-user", "a"), 1);
+    drop(second);
+    assert_eq!(limits.tracked_keys(), 0);
+}
+
+/// A request that waits out the longest wait is refused then, as it would have been at once;
+/// one that finds the queue full is refused at once.
+#[tokio::test(start_paused = true)]
+async fn the_wait_is_bounded_in_time_and_in_length() {
+    let limits = queued(1, None, 1);
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let _first = service.clone().oneshot(request("a", "/")).await.unwrap();
+    let start = tokio::time::Instant::now();
+    let waiter = tokio::spawn(service.clone().oneshot(request("a", "/")));
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 1);
+    let full = service.clone().oneshot(request("a", "/")).await.unwrap();
+    assert_eq!(full.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(start.elapsed(), Duration::ZERO, "refused at once");
+    let waited = waiter.await.unwrap().unwrap();
+    assert_eq!(waited.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(waited.headers()["retry-after"], "1");
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    assert_eq!(limits.queued(), 0);
+    assert_eq!(limits.in_flight("per-user", "a"), 1);
+}
+
+/// A waiter whose future is dropped leaves the queue and takes nothing; the total cap queues
+/// too, and answers 503 when the wait runs out.
+#[tokio::test(start_paused = true)]
+async fn dropped_waiters_leave_and_the_total_cap_queues_too() {
+    let limits = queued(2, Some(1), 4);
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let first = service.clone().oneshot(request("a", "/")).await.unwrap();
+    let gone = tokio::spawn(service.clone().oneshot(request("b", "/")));
+    let waiter = tokio::spawn(service.clone().oneshot(request("c", "/")));
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 2);
+    gone.abort();
+    assert!(gone.await.unwrap_err().is_cancelled());
+    assert_eq!(limits.queued(), 1);
+    drop(first);
+    let admitted = waiter.await.unwrap().unwrap();
+    assert_eq!(admitted.status(), StatusCode::OK);
+    assert_eq!(limits.in_flight("per-user", "b"), 0);
+    assert_eq!(limits.in_flight("per-user", "c"), 1);
+    let start = tokio::time::Instant::now();
+    let refused = service.clone().oneshot(request("d", "/")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+    drop(admitted);
+    assert_eq!((limits.total_in_flight(), limits.tracked_keys()), (0, 0));
+}

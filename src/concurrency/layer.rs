@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -15,6 +15,7 @@ use super::service::ConcurrencyLimit;
 use super::table::InFlight;
 use crate::answer::{DefaultResponder, Rejection, RejectionKind, Responder};
 use crate::clock::{Clock, SystemClock};
+use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::{Key, MAX_KEY_LEN};
 use crate::limiter::{Matcher, Rule, valid_name};
 
@@ -31,6 +32,7 @@ impl ConcurrencyLimitLayer {
         ConcurrencyLimitLayerBuilder {
             rules: Vec::new(),
             total: None,
+            queue: None,
             responder: Box::new(DefaultResponder),
             clock: Arc::new(SystemClock::new()),
         }
@@ -50,6 +52,15 @@ impl ConcurrencyLimitLayer {
             Some(total) => u64::from(total.count.load(Ordering::Acquire)),
             None => self.shared.in_flight.total(),
         }
+    }
+
+    /// Requests waiting in the queue for a place (see
+    /// [`ConcurrencyLimitLayerBuilder::queue`]).
+    pub fn queued(&self) -> usize {
+        self.shared
+            .queue
+            .as_ref()
+            .map_or(0, |q| q.waiting.load(Ordering::Acquire))
     }
 
     /// Keys with requests in flight: each key's entry is removed when its count returns to
@@ -89,6 +100,7 @@ impl fmt::Debug for ConcurrencyLimitLayer {
 pub struct ConcurrencyLimitLayerBuilder {
     rules: Vec<(Rule, u32)>,
     total: Option<u32>,
+    queue: Option<(usize, Duration)>,
     responder: Box<dyn Responder>,
     clock: Arc<dyn Clock>,
 }
@@ -106,6 +118,18 @@ impl ConcurrencyLimitLayerBuilder {
     /// At most `max_in_flight` requests in flight in all, whatever their keys: past it, `503`.
     pub fn total(mut self, max_in_flight: u32) -> Self {
         self.total = Some(max_in_flight);
+        self
+    }
+
+    /// Lets up to `max_waiting` requests (over the whole layer) that find their key or the
+    /// total cap full wait up to `max_wait` for a place before being refused, instead of being
+    /// refused at once. A request that waits longer, or finds `max_waiting` others already
+    /// waiting, gets the usual answer (`429`, or `503` for the total cap). Waiters are woken
+    /// when a place of their key is given back; they are not served in order of arrival (a
+    /// newcomer may take a place first), so keep `max_wait` short: it bounds the latency
+    /// the queue adds. The wait runs on tokio's timer.
+    pub fn queue(mut self, max_waiting: usize, max_wait: Duration) -> Self {
+        self.queue = Some((max_waiting, max_wait));
         self
     }
 
@@ -164,6 +188,14 @@ impl ConcurrencyLimitLayerBuilder {
                     max,
                     count: AtomicU32::new(0),
                 }),
+                queue: self
+                    .queue
+                    .filter(|&(max, wait)| max > 0 && !wait.is_zero())
+                    .map(|(max, max_wait)| Queue {
+                        max,
+                        max_wait,
+                        waiting: AtomicUsize::new(0),
+                    }),
                 latency: Latency::default(),
                 responder: self.responder,
                 clock: self.clock,
@@ -177,6 +209,7 @@ impl fmt::Debug for ConcurrencyLimitLayerBuilder {
         f.debug_struct("ConcurrencyLimitLayerBuilder")
             .field("rules", &self.rules)
             .field("total", &self.total)
+            .field("queue", &self.queue)
             .finish_non_exhaustive()
     }
 }
@@ -231,6 +264,7 @@ pub(crate) struct Shared {
     rules: Box<[KeyedRule]>,
     pub(crate) in_flight: InFlight,
     total: Option<Total>,
+    queue: Option<Queue>,
     /// How long requests stayed in flight, over all rules.
     latency: Latency,
     responder: Box<dyn Responder>,
@@ -248,6 +282,34 @@ struct KeyedRule {
 struct Total {
     max: u32,
     count: AtomicU32,
+}
+
+/// Requests waiting for a place: at most `max`, each at most `max_wait`.
+struct Queue {
+    max: usize,
+    max_wait: Duration,
+    waiting: AtomicUsize,
+}
+
+/// A request's place in the [`Queue`]; dropping it leaves the queue.
+struct InQueue<'a>(&'a AtomicUsize);
+
+impl Drop for InQueue<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Queue {
+    /// A place in the queue, if it is not full.
+    fn enter(&self) -> Option<InQueue<'_>> {
+        self.waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| InQueue(&self.waiting))
+    }
 }
 
 /// A moving average of the time requests stay in flight, in nanoseconds (each new sample
@@ -279,20 +341,19 @@ impl Latency {
 /// The longest `Retry-After` a concurrency refusal sends.
 pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 
-/// The places one request holds; dropping it gives them back (and, for a request that got
-/// every place, times it).
+/// The places one request holds; dropping it gives them back and times the request.
 pub(crate) struct Permit {
     shared: Arc<Shared>,
-    held: SmallVec<[Held; 2]>,
-    total: bool,
+    held: Places,
     started: u64,
-    /// Whether the request got every place: a permit dropped while being refused gives back
-    /// what it took but teaches nothing about how long requests stay.
-    granted: bool,
 }
 
-struct Held {
+/// The keys a request takes a place of, one per rule that applies.
+type Places = SmallVec<[Place; 2]>;
+
+struct Place {
     rule: u16,
+    max: u32,
     hash: u64,
     key: Key,
 }
@@ -300,24 +361,14 @@ struct Held {
 impl Drop for Permit {
     fn drop(&mut self) {
         let shared = &self.shared;
-        let elapsed = self
-            .granted
-            .then(|| shared.clock.now().saturating_sub(self.started));
-        for held in &self.held {
-            shared.in_flight.release(held.hash, &held.key);
-            if let (Some(rule), Some(elapsed)) = (shared.rules.get(usize::from(held.rule)), elapsed)
-            {
+        let elapsed = shared.clock.now().saturating_sub(self.started);
+        for place in &self.held {
+            if let Some(rule) = shared.rules.get(usize::from(place.rule)) {
                 rule.latency.record(elapsed);
             }
         }
-        if self.total {
-            if let Some(total) = &shared.total {
-                total.count.fetch_sub(1, Ordering::AcqRel);
-            }
-        }
-        if let Some(elapsed) = elapsed {
-            shared.latency.record(elapsed);
-        }
+        shared.release(&self.held);
+        shared.latency.record(elapsed);
     }
 }
 
@@ -328,8 +379,7 @@ impl fmt::Debug for Permit {
                 "keys",
                 &self.held.iter().map(|h| &h.key).collect::<Vec<_>>(),
             )
-            .field("total", &self.total)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -344,15 +394,24 @@ pub(crate) enum Refusal {
 }
 
 impl Shared {
-    /// Takes the places of every rule that applies and of the total cap, all or none.
-    pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Permit, Refusal> {
-        let mut permit = Permit {
-            shared: Arc::clone(self),
-            held: SmallVec::new(),
-            total: false,
-            started: self.clock.now(),
-            granted: false,
-        };
+    /// Takes the places of every rule that applies and of the total cap, all or none; or,
+    /// with a queue that has room, waits for them.
+    pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Refusal> {
+        let mut places = self.places(parts)?;
+        match self.take(&mut places) {
+            Ok(permit) => Ok(Admitted::Now(Held::Concurrency(permit))),
+            Err(refusal) => match &self.queue {
+                Some(queue) if queue.waiting.load(Ordering::Acquire) < queue.max => Ok(
+                    Admitted::Later(Box::pin(Arc::clone(self).wait(places, refusal))),
+                ),
+                _ => Err(refusal),
+            },
+        }
+    }
+
+    /// The keys of the rules that apply to a request.
+    fn places(&self, parts: &Parts) -> Result<Places, Refusal> {
+        let mut places = Places::new();
         for (index, rule) in self.rules.iter().enumerate() {
             if !rule.matcher.matches(parts) {
                 continue;
@@ -368,16 +427,25 @@ impl Shared {
                     });
                 }
             };
-            let hash = self.in_flight.hash(key.as_str());
-            if !self.in_flight.acquire(hash, &key, rule.max) {
-                // The places already taken go back with `permit`.
-                return Err(Refusal::Busy { rule: index });
-            }
-            permit.held.push(Held {
+            places.push(Place {
                 rule: index,
-                hash,
+                max: rule.max,
+                hash: self.in_flight.hash(key.as_str()),
                 key,
             });
+        }
+        Ok(places)
+    }
+
+    /// Takes every place of `places` and one under the total cap (moving them into the
+    /// permit), or none, and says why.
+    fn take(self: &Arc<Self>, places: &mut Places) -> Result<Permit, Refusal> {
+        for (taken, place) in places.iter().enumerate() {
+            if !self.in_flight.acquire(place.hash, &place.key, place.max) {
+                let refusal = Refusal::Busy { rule: place.rule };
+                self.release_keys(&places[..taken]);
+                return Err(refusal);
+            }
         }
         if let Some(total) = &self.total {
             let taken = total
@@ -386,12 +454,63 @@ impl Shared {
                     (n < total.max).then_some(n + 1)
                 });
             if taken.is_err() {
+                self.release_keys(places);
                 return Err(Refusal::Full);
             }
-            permit.total = true;
         }
-        permit.granted = true;
-        Ok(permit)
+        Ok(Permit {
+            shared: Arc::clone(self),
+            held: std::mem::take(places),
+            started: self.clock.now(),
+        })
+    }
+
+    fn release_keys(&self, places: &[Place]) {
+        for place in places {
+            self.in_flight.release(place.hash, &place.key);
+        }
+    }
+
+    /// Gives back the places of a permit: its keys' and one under the total cap.
+    fn release(&self, places: &[Place]) {
+        self.release_keys(places);
+        if let Some(total) = &self.total {
+            total.count.fetch_sub(1, Ordering::AcqRel);
+            self.in_flight.total_released();
+        }
+    }
+
+    /// Waits in the queue (if it still has room) until the places are free, or the queue's
+    /// longest wait has passed: then the request is refused for the last reason it met.
+    async fn wait(
+        self: Arc<Self>,
+        mut places: Places,
+        mut refusal: Refusal,
+    ) -> Result<Held, Refuse> {
+        if let Some(queue) = &self.queue {
+            if let Some(_in_queue) = queue.enter() {
+                let deadline = tokio::time::Instant::now() + queue.max_wait;
+                loop {
+                    let on = match refusal {
+                        Refusal::Busy { rule } => {
+                            places.iter().find(|p| p.rule == rule).map(|p| p.hash)
+                        }
+                        _ => None,
+                    };
+                    let (freed, _waiting) = self.in_flight.waiting(on);
+                    let mut notified = std::pin::pin!(freed.notified());
+                    notified.as_mut().enable();
+                    match self.take(&mut places) {
+                        Ok(permit) => return Ok(Held::Concurrency(permit)),
+                        Err(again) => refusal = again,
+                    }
+                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(Box::new(move |parts: &Parts| self.answer(parts, refusal)))
     }
 
     /// The answer to a refused request.

@@ -16,6 +16,10 @@
 //! - gRPC requests get `RESOURCE_EXHAUSTED` and `UNAVAILABLE` with `grpc-retry-pushback-ms`,
 //!   as from the rate-limit layer: every layer answers through [`answer`](crate::answer).
 //!
+//! - **A short wait** (optional, [`queue`](ConcurrencyLimitLayerBuilder::queue)): up to so
+//!   many requests that find their key or the cap full wait up to a maximum time for a place
+//!   before being refused.
+//!
 //! A request holds its place until its response body has been sent in full, has failed, or
 //! has been dropped ([`PermitBody`]): a streamed download counts until its last byte. A
 //! request whose future is dropped (the client went away, a timeout layer fired) gives its

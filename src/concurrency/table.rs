@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use hashbrown::HashTable;
 use parking_lot::Mutex;
+use tokio::sync::Notify;
 
 use crate::key::Key;
 
@@ -20,6 +21,12 @@ pub(crate) struct InFlight {
     hasher: foldhash::fast::RandomState,
     /// Keys with requests in flight, over all shards.
     entries: AtomicUsize,
+    /// One per shard: woken when a place of one of its keys is given back, while anyone waits.
+    wakers: Box<[Notify]>,
+    /// Woken when a place under the total cap is given back ([`InFlight::total_released`]).
+    total_waker: Notify,
+    /// Requests waiting for a place (see [`InFlight::waiting`]).
+    waiters: AtomicUsize,
 }
 
 impl InFlight {
@@ -28,7 +35,15 @@ impl InFlight {
             shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
             hasher: foldhash::fast::RandomState::default(),
             entries: AtomicUsize::new(0),
+            wakers: (0..SHARDS).map(|_| Notify::new()).collect(),
+            total_waker: Notify::new(),
+            waiters: AtomicUsize::new(0),
         }
+    }
+
+    fn shard_index(&self, hash: u64) -> usize {
+        // The table itself uses the low and the top bits; the shard takes others.
+        usize::try_from(hash >> 40).unwrap_or(0) % self.shards.len()
     }
 
     pub(crate) fn hash(&self, key: &str) -> u64 {
@@ -36,9 +51,28 @@ impl InFlight {
     }
 
     fn shard(&self, hash: u64) -> &Shard {
-        // The table itself uses the low and the top bits; the shard takes others.
-        let index = usize::try_from(hash >> 40).unwrap_or(0) % self.shards.len();
-        &self.shards[index]
+        &self.shards[self.shard_index(hash)]
+    }
+
+    /// What wakes a request waiting for a place of the key hashed to `hash` (or, for `None`,
+    /// under the total cap): it is counted among the waiters (so releases wake) until the
+    /// returned guard is dropped. Register the [`Notify::notified`] future (`enable` it)
+    /// before trying to take the place again, so that no release between the try and the wait
+    /// is missed.
+    pub(crate) fn waiting(&self, hash: Option<u64>) -> (&Notify, Waiting<'_>) {
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        let notify = match hash {
+            Some(hash) => &self.wakers[self.shard_index(hash)],
+            None => &self.total_waker,
+        };
+        (notify, Waiting(&self.waiters))
+    }
+
+    /// A place under the total cap was given back: wakes those waiting for one.
+    pub(crate) fn total_released(&self) {
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            self.total_waker.notify_waiters();
+        }
     }
 
     /// Takes a place for `key` if it has fewer than `max` in flight; whether it did. A key
@@ -73,6 +107,11 @@ impl InFlight {
                 self.entries.fetch_sub(1, Ordering::Relaxed);
             }
         }
+        drop(table);
+        // After the place is back, so a waiter that registered before its failed try is woken.
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            self.wakers[self.shard_index(hash)].notify_waiters();
+        }
     }
 
     /// The requests in flight for `key`.
@@ -95,6 +134,15 @@ impl InFlight {
             .iter()
             .map(|s| s.lock().iter().map(|(_, n)| u64::from(*n)).sum::<u64>())
             .sum()
+    }
+}
+
+/// A request counted among the waiters of an [`InFlight`]; dropping it stops counting it.
+pub(crate) struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

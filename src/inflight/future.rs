@@ -1,4 +1,4 @@
-//! The response future: the inner call with its permit, or a ready answer.
+//! The response future: a wait for a place, the inner call with its place, or a ready answer.
 
 use std::fmt;
 use std::future::Future;
@@ -6,33 +6,49 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
-use http::Response;
+use http::{Request, Response};
 use pin_project_lite::pin_project;
+use tower_service::Service;
 
 use super::body::PermitBody;
-use super::{Answer, Held};
+use super::{Answer, Held, Pending};
 use crate::answer::{RefusalBody, Refused};
 
 pin_project! {
     /// The response future of [`ConcurrencyLimit`](crate::concurrency::ConcurrencyLimit) and
     /// [`LoadShed`](crate::shed::LoadShed). Dropping it before it is done (the client went
-    /// away, a timeout fired) gives the request's place back at once.
-    pub struct ResponseFuture<F, B> {
+    /// away, a timeout fired) gives the request's place back at once, or leaves the queue it
+    /// was waiting in.
+    pub struct ResponseFuture<S, ReqBody, ResBody>
+    where
+        S: Service<Request<ReqBody>>,
+    {
         #[pin]
-        state: State<F, B>,
+        state: State<S, ReqBody, ResBody>,
     }
 }
 
 pin_project! {
     #[project = StateProj]
-    enum State<F, B> {
-        Called { #[pin] future: F, held: Option<Held> },
-        Refused { response: Option<Response<B>> },
+    enum State<S, ReqBody, ResBody>
+    where
+        S: Service<Request<ReqBody>>,
+    {
+        Waiting {
+            pending: Pending,
+            request: Option<Request<ReqBody>>,
+            inner: Option<S>,
+        },
+        Called { #[pin] future: S::Future, held: Option<Held> },
+        Refused { response: Option<Response<ResBody>> },
     }
 }
 
-impl<F, B> ResponseFuture<F, B> {
-    pub(crate) fn called(future: F, held: Held) -> Self {
+impl<S, ReqBody, ResBody> ResponseFuture<S, ReqBody, ResBody>
+where
+    S: Service<Request<ReqBody>>,
+{
+    pub(crate) fn called(future: S::Future, held: Held) -> Self {
         Self {
             state: State::Called {
                 future,
@@ -41,52 +57,102 @@ impl<F, B> ResponseFuture<F, B> {
         }
     }
 
-    pub(crate) fn refused(response: Response<B>) -> Self {
+    pub(crate) fn refused(response: Response<ResBody>) -> Self {
         Self {
             state: State::Refused {
                 response: Some(response),
             },
         }
     }
-}
 
-impl<F, B, E> Future for ResponseFuture<F, B>
-where
-    F: Future<Output = Result<Response<B>, E>>,
-    B: RefusalBody,
-{
-    type Output = Result<Response<PermitBody<B>>, E>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().state.project() {
-            StateProj::Called { future, held } => {
-                let result = ready!(future.poll(cx));
-                let mut held = held.take();
-                let answer = match &result {
-                    Ok(r) if r.extensions().get::<Refused>().is_some() => Answer::Refused,
-                    Ok(r) => Answer::Served {
-                        failed: matches!(r.status().as_u16(), 503 | 504),
-                    },
-                    Err(_) => Answer::Served { failed: true },
-                };
-                if let Some(held) = &mut held {
-                    held.answered(answer);
-                }
-                // An error gives the place back here; a response hands it to its body.
-                Poll::Ready(result.map(|response| response.map(|b| PermitBody::new(b, held))))
-            }
-            StateProj::Refused { response } => Poll::Ready(Ok(response
-                .take()
-                .map(|r| r.map(|b| PermitBody::new(b, None)))
-                // Polled again after its answer: an empty one.
-                .unwrap_or_else(|| {
-                    Response::new(PermitBody::new(B::refusal(Bytes::new()), None))
-                }))),
+    /// Waits for `pending` to give the request a place, then calls `inner` (already ready).
+    pub(crate) fn waiting(pending: Pending, request: Request<ReqBody>, inner: S) -> Self {
+        Self {
+            state: State::Waiting {
+                pending,
+                request: Some(request),
+                inner: Some(inner),
+            },
         }
     }
 }
 
-impl<F, B> fmt::Debug for ResponseFuture<F, B> {
+impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody, ResBody>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: RefusalBody,
+{
+    type Output = Result<Response<PermitBody<ResBody>>, S::Error>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let next = match self.as_mut().project().state.project() {
+                StateProj::Waiting {
+                    pending,
+                    request,
+                    inner,
+                } => {
+                    if request.is_none() || inner.is_none() {
+                        // Polled again after `call` panicked: nothing left to do but answer.
+                        return Poll::Ready(Ok(empty()));
+                    }
+                    let outcome = ready!(pending.as_mut().poll(cx));
+                    let (Some(request), Some(mut inner)) = (request.take(), inner.take()) else {
+                        return Poll::Ready(Ok(empty()));
+                    };
+                    match outcome {
+                        // Should `call` panic, `held` is dropped on the way out: nothing leaks.
+                        Ok(held) => State::Called {
+                            future: inner.call(request),
+                            held: Some(held),
+                        },
+                        Err(refuse) => {
+                            let (parts, _) = request.into_parts();
+                            State::Refused {
+                                response: Some(refuse(&parts).map(ResBody::refusal)),
+                            }
+                        }
+                    }
+                }
+                StateProj::Called { future, held } => {
+                    let result = ready!(future.poll(cx));
+                    let mut held = held.take();
+                    let answer = match &result {
+                        Ok(r) if r.extensions().get::<Refused>().is_some() => Answer::Refused,
+                        Ok(r) => Answer::Served {
+                            failed: matches!(r.status().as_u16(), 503 | 504),
+                        },
+                        Err(_) => Answer::Served { failed: true },
+                    };
+                    if let Some(held) = &mut held {
+                        held.answered(answer);
+                    }
+                    // An error gives the place back here; a response hands it to its body.
+                    return Poll::Ready(
+                        result.map(|response| response.map(|b| PermitBody::new(b, held))),
+                    );
+                }
+                StateProj::Refused { response } => {
+                    return Poll::Ready(Ok(response
+                        .take()
+                        .map(|r| r.map(|b| PermitBody::new(b, None)))
+                        // Polled again after its answer: an empty one.
+                        .unwrap_or_else(empty)));
+                }
+            };
+            self.as_mut().project().state.set(next);
+        }
+    }
+}
+
+fn empty<B: RefusalBody>() -> Response<PermitBody<B>> {
+    Response::new(PermitBody::new(B::refusal(Bytes::new()), None))
+}
+
+impl<S, ReqBody, ResBody> fmt::Debug for ResponseFuture<S, ReqBody, ResBody>
+where
+    S: Service<Request<ReqBody>>,
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
     }

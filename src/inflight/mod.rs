@@ -23,6 +23,25 @@ pub(crate) enum Held {
     Shed(crate::shed::Guard),
 }
 
+/// A request's wait for a place (a lease on Redis, a queue): its place, or how to answer it.
+pub(crate) type Pending =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<Held, Refuse>> + Send>>;
+
+/// How to answer a request that waited and got no place.
+pub(crate) type Refuse = Box<dyn FnOnce(&Parts) -> Response<Bytes> + Send>;
+
+/// A request admitted: with its place now, or once it has waited for one.
+pub(crate) enum Admitted {
+    Now(Held),
+    Later(Pending),
+}
+
+impl From<Held> for Admitted {
+    fn from(held: Held) -> Self {
+        Admitted::Now(held)
+    }
+}
+
 /// How the inner service answered, as the shedder learns from it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Answer {
@@ -42,26 +61,30 @@ impl Held {
     }
 }
 
-/// One `call` of a layer that admits a request into `inner` holding a place, or refuses it
-/// and answers: the ready service moves into the future and a clone stays for the next call.
+/// One `call` of a layer that admits a request into `inner` holding a place (at once, or
+/// after a wait), or refuses it and answers: the ready service moves into the future and a
+/// clone stays for the next call.
 pub(crate) fn call<S, ReqBody, ResBody, R>(
     inner: &mut S,
     request: Request<ReqBody>,
-    admit: impl FnOnce(&Parts) -> Result<Held, R>,
+    admit: impl FnOnce(&Parts) -> Result<Admitted, R>,
     answer: impl FnOnce(&Parts, R) -> Response<Bytes>,
-) -> ResponseFuture<S::Future, ResBody>
+) -> ResponseFuture<S, ReqBody, ResBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     ResBody: RefusalBody,
 {
     let (parts, body) = request.into_parts();
     match admit(&parts) {
-        Ok(held) => {
+        Ok(admitted) => {
             let clone = inner.clone();
             let mut ready = std::mem::replace(inner, clone);
-            // Should `call` panic, `held` is dropped on the way out: nothing leaks.
-            let future = ready.call(Request::from_parts(parts, body));
-            ResponseFuture::called(future, held)
+            let request = Request::from_parts(parts, body);
+            match admitted {
+                // Should `call` panic, `held` is dropped on the way out: nothing leaks.
+                Admitted::Now(held) => ResponseFuture::called(ready.call(request), held),
+                Admitted::Later(pending) => ResponseFuture::waiting(pending, request, ready),
+            }
         }
         Err(refusal) => ResponseFuture::refused(answer(&parts, refusal).map(ResBody::refusal)),
     }
@@ -119,7 +142,7 @@ macro_rules! in_flight_service {
         {
             type Response = http::Response<$crate::inflight::PermitBody<ResBody>>;
             type Error = S::Error;
-            type Future = $crate::inflight::ResponseFuture<S::Future, ResBody>;
+            type Future = $crate::inflight::ResponseFuture<S, ReqBody, ResBody>;
 
             fn poll_ready(
                 &mut self,
@@ -133,7 +156,7 @@ macro_rules! in_flight_service {
                 $crate::inflight::call(
                     &mut self.inner,
                     request,
-                    |$parts| $admit,
+                    |$parts| $admit.map(Into::into),
                     |$rparts, $refusal| $refuse,
                 )
             }
