@@ -11,6 +11,8 @@ use http::{Response, StatusCode};
 use smallvec::SmallVec;
 use tower_layer::Layer;
 
+#[cfg(feature = "redis")]
+use super::leases::{Denied, Lease, Leases};
 use super::service::ConcurrencyLimit;
 use super::table::InFlight;
 use crate::answer::{DefaultResponder, Rejection, RejectionKind, Responder};
@@ -18,6 +20,8 @@ use crate::clock::{Clock, SystemClock};
 use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::{Key, MAX_KEY_LEN};
 use crate::limiter::{Matcher, Rule, valid_name};
+#[cfg(feature = "redis")]
+use crate::store::FailurePolicy;
 
 /// At most so many requests in flight per key, and optionally in all: see the
 /// [module docs](super).
@@ -33,6 +37,12 @@ impl ConcurrencyLimitLayer {
             rules: Vec::new(),
             total: None,
             queue: None,
+            #[cfg(feature = "redis")]
+            redis: None,
+            #[cfg(feature = "redis")]
+            lease_time: super::DEFAULT_LEASE_TIME,
+            #[cfg(feature = "redis")]
+            on_store_error: FailurePolicy::LocalFallback,
             responder: Box::new(DefaultResponder),
             clock: Arc::new(SystemClock::new()),
         }
@@ -51,6 +61,27 @@ impl ConcurrencyLimitLayer {
         match &self.shared.total {
             Some(total) => u64::from(total.count.load(Ordering::Acquire)),
             None => self.shared.in_flight.total(),
+        }
+    }
+
+    /// What the leases on Redis have done (all zero without
+    /// [`redis`](ConcurrencyLimitLayerBuilder::redis)).
+    #[cfg(feature = "redis")]
+    pub fn lease_stats(&self) -> super::LeaseStats {
+        self.shared
+            .leases
+            .as_ref()
+            .map(|l| l.stats())
+            .unwrap_or_default()
+    }
+
+    /// Renews this instance's leases on Redis now, as the renewer does every third of the
+    /// lease time (for tests that cannot wait for it).
+    #[cfg(feature = "redis")]
+    #[doc(hidden)]
+    pub async fn renew_leases(&self) {
+        if let Some(leases) = &self.shared.leases {
+            leases.renew_all().await;
         }
     }
 
@@ -101,6 +132,12 @@ pub struct ConcurrencyLimitLayerBuilder {
     rules: Vec<(Rule, u32)>,
     total: Option<u32>,
     queue: Option<(usize, Duration)>,
+    #[cfg(feature = "redis")]
+    redis: Option<crate::RedisStore>,
+    #[cfg(feature = "redis")]
+    lease_time: Duration,
+    #[cfg(feature = "redis")]
+    on_store_error: FailurePolicy,
     responder: Box<dyn Responder>,
     clock: Arc<dyn Clock>,
 }
@@ -133,6 +170,38 @@ impl ConcurrencyLimitLayerBuilder {
         self
     }
 
+    /// Counts each rule's places on `store`, shared by every instance connected to it (feature
+    /// `redis`): two instances never have more than a rule's limit in flight for one key
+    /// between them. Each request holds a lease per key, renewed every third of the
+    /// [lease time](Self::lease_time) while it runs and given back when its response ends; the
+    /// leases of an instance that crashes free their places after one lease time. The
+    /// in-process count still applies first (so a key over its limit on this instance alone
+    /// costs no call to Redis), and the total cap stays in process: it protects this
+    /// instance. A request refused by Redis does not wait in the [queue](Self::queue).
+    #[cfg(feature = "redis")]
+    pub fn redis(mut self, store: crate::RedisStore) -> Self {
+        self.redis = Some(store);
+        self
+    }
+
+    /// How long a lease on Redis lasts without renewal: what a crashed instance can leak
+    /// ([`DEFAULT_LEASE_TIME`](super::DEFAULT_LEASE_TIME) unless set; between
+    /// [`MIN_LEASE_TIME`](super::MIN_LEASE_TIME) and [`MAX_LEASE_TIME`](super::MAX_LEASE_TIME)).
+    #[cfg(feature = "redis")]
+    pub fn lease_time(mut self, lease: Duration) -> Self {
+        self.lease_time = lease;
+        self
+    }
+
+    /// What to do when Redis fails (an error, a timeout): [`FailurePolicy::LocalFallback`]
+    /// (the default) and [`FailurePolicy::Open`] both admit on the in-process count alone, so
+    /// each instance keeps its own limit; [`FailurePolicy::Closed`] refuses with `503`.
+    #[cfg(feature = "redis")]
+    pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
+        self.on_store_error = policy;
+        self
+    }
+
     /// How refusals are answered ([`DefaultResponder`] unless set).
     pub fn responder(mut self, responder: impl Responder) -> Self {
         self.responder = Box::new(responder);
@@ -156,6 +225,10 @@ impl ConcurrencyLimitLayerBuilder {
         }
         if self.rules.len() > usize::from(u16::MAX) {
             return Err(ConcurrencyError::TooManyRules(self.rules.len()));
+        }
+        #[cfg(feature = "redis")]
+        if !(super::MIN_LEASE_TIME..=super::MAX_LEASE_TIME).contains(&self.lease_time) {
+            return Err(ConcurrencyError::LeaseTime(self.lease_time));
         }
         let mut rules: Vec<KeyedRule> = Vec::with_capacity(self.rules.len());
         for (rule, max) in self.rules {
@@ -197,6 +270,10 @@ impl ConcurrencyLimitLayerBuilder {
                         waiting: AtomicUsize::new(0),
                     }),
                 latency: Latency::default(),
+                #[cfg(feature = "redis")]
+                leases: self.redis.map(|store| {
+                    Arc::new(Leases::new(store, self.lease_time, self.on_store_error))
+                }),
                 responder: self.responder,
                 clock: self.clock,
             }),
@@ -230,6 +307,10 @@ pub enum ConcurrencyError {
     NotAConcurrencyRule(String),
     /// More rules than 65 535.
     TooManyRules(usize),
+    /// A lease time outside [`MIN_LEASE_TIME`](super::MIN_LEASE_TIME) to
+    /// [`MAX_LEASE_TIME`](super::MAX_LEASE_TIME).
+    #[cfg(feature = "redis")]
+    LeaseTime(Duration),
 }
 
 impl fmt::Display for ConcurrencyError {
@@ -253,6 +334,13 @@ impl fmt::Display for ConcurrencyError {
                  only its matching and key, and its limit from .rule(rule, max_in_flight)"
             ),
             ConcurrencyError::TooManyRules(n) => write!(f, "{n} rules: at most 65535"),
+            #[cfg(feature = "redis")]
+            ConcurrencyError::LeaseTime(t) => write!(
+                f,
+                "a lease time of {t:?}: use {:?} to {:?}",
+                super::MIN_LEASE_TIME,
+                super::MAX_LEASE_TIME
+            ),
         }
     }
 }
@@ -267,6 +355,8 @@ pub(crate) struct Shared {
     queue: Option<Queue>,
     /// How long requests stayed in flight, over all rules.
     latency: Latency,
+    #[cfg(feature = "redis")]
+    leases: Option<Arc<Leases>>,
     responder: Box<dyn Responder>,
     clock: Arc<dyn Clock>,
 }
@@ -346,6 +436,11 @@ pub(crate) struct Permit {
     shared: Arc<Shared>,
     held: Places,
     started: u64,
+    /// Whether the request got every place: a permit dropped while being refused gives back
+    /// what it took but teaches nothing about how long requests stay.
+    granted: bool,
+    #[cfg(feature = "redis")]
+    leases: SmallVec<[Lease; 1]>,
 }
 
 /// The keys a request takes a place of, one per rule that applies.
@@ -361,14 +456,20 @@ struct Place {
 impl Drop for Permit {
     fn drop(&mut self) {
         let shared = &self.shared;
-        let elapsed = shared.clock.now().saturating_sub(self.started);
-        for place in &self.held {
-            if let Some(rule) = shared.rules.get(usize::from(place.rule)) {
-                rule.latency.record(elapsed);
-            }
+        #[cfg(feature = "redis")]
+        if let Some(leases) = &shared.leases {
+            leases.release(self.leases.drain(..));
         }
         shared.release(&self.held);
-        shared.latency.record(elapsed);
+        if self.granted {
+            let elapsed = shared.clock.now().saturating_sub(self.started);
+            for place in &self.held {
+                if let Some(rule) = shared.rules.get(usize::from(place.rule)) {
+                    rule.latency.record(elapsed);
+                }
+            }
+            shared.latency.record(elapsed);
+        }
     }
 }
 
@@ -383,8 +484,20 @@ impl fmt::Debug for Permit {
     }
 }
 
+impl Permit {
+    /// The request got every place: it is timed from now on.
+    fn grant(mut self) -> Held {
+        self.granted = true;
+        self.started = self.shared.clock.now();
+        Held::Concurrency(self)
+    }
+}
+
 /// Why a request gets no permit.
 pub(crate) enum Refusal {
+    /// The store that counts the places failed and the policy is to refuse.
+    #[cfg(feature = "redis")]
+    StoreDown,
     /// Rule `rule`'s key is at its limit.
     Busy { rule: u16 },
     /// The total cap is reached.
@@ -399,7 +512,11 @@ impl Shared {
     pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Refusal> {
         let mut places = self.places(parts)?;
         match self.take(&mut places) {
-            Ok(permit) => Ok(Admitted::Now(Held::Concurrency(permit))),
+            #[cfg(feature = "redis")]
+            Ok(permit) if self.leases.is_some() && !permit.held.is_empty() => {
+                Ok(Admitted::Later(Box::pin(Arc::clone(self).lease(permit))))
+            }
+            Ok(permit) => Ok(Admitted::Now(permit.grant())),
             Err(refusal) => match &self.queue {
                 Some(queue) if queue.waiting.load(Ordering::Acquire) < queue.max => Ok(
                     Admitted::Later(Box::pin(Arc::clone(self).wait(places, refusal))),
@@ -462,6 +579,9 @@ impl Shared {
             shared: Arc::clone(self),
             held: std::mem::take(places),
             started: self.clock.now(),
+            granted: false,
+            #[cfg(feature = "redis")]
+            leases: SmallVec::new(),
         })
     }
 
@@ -478,6 +598,34 @@ impl Shared {
             total.count.fetch_sub(1, Ordering::AcqRel);
             self.in_flight.total_released();
         }
+    }
+
+    /// Takes a lease on Redis for each key of `permit` (without Redis, nothing to take).
+    async fn lease(self: Arc<Self>, permit: Permit) -> Result<Held, Refuse> {
+        #[cfg(feature = "redis")]
+        let permit = {
+            let mut permit = permit;
+            if let Some(leases) = self.leases.clone() {
+                for i in 0..permit.held.len() {
+                    let place = &permit.held[i];
+                    let rule = place.rule;
+                    match leases.acquire(place.key.as_str(), place.max).await {
+                        Ok(Some(lease)) => permit.leases.push(lease),
+                        Ok(None) => {}
+                        Err(denied) => {
+                            drop(permit);
+                            let refusal = match denied {
+                                Denied::Busy => Refusal::Busy { rule },
+                                Denied::Unavailable => Refusal::StoreDown,
+                            };
+                            return Err(Box::new(move |parts: &Parts| self.answer(parts, refusal)));
+                        }
+                    }
+                }
+            }
+            permit
+        };
+        Ok(permit.grant())
     }
 
     /// Waits in the queue (if it still has room) until the places are free, or the queue's
@@ -501,7 +649,7 @@ impl Shared {
                     let mut notified = std::pin::pin!(freed.notified());
                     notified.as_mut().enable();
                     match self.take(&mut places) {
-                        Ok(permit) => return Ok(Held::Concurrency(permit)),
+                        Ok(permit) => return Arc::clone(&self).lease(permit).await,
                         Err(again) => refusal = again,
                     }
                     if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -522,6 +670,13 @@ impl Shared {
                 StatusCode::TOO_MANY_REQUESTS,
                 rule(index),
                 rule(index).map(|r| r.latency.retry_after()),
+            ),
+            #[cfg(feature = "redis")]
+            Refusal::StoreDown => (
+                RejectionKind::Unavailable,
+                StatusCode::SERVICE_UNAVAILABLE,
+                None,
+                Some(Duration::from_secs(1)),
             ),
             Refusal::Full => (
                 RejectionKind::Overloaded,

@@ -71,10 +71,48 @@
 //! # }
 //! ```
 //!
+//! # Across instances
+//!
+//! With the `redis` feature, [`redis`](ConcurrencyLimitLayerBuilder::redis) counts each rule's
+//! places on a [`RedisStore`](crate::RedisStore), so that the instances of a service together
+//! never have more than a rule's limit in flight for one key. Each admitted request holds a
+//! *lease* per key: a member of a sorted set of lease deadlines kept per key, taken by one
+//! script that first drops the leases past their deadline (with the time from Redis `TIME`),
+//! renewed every third of the [lease time](ConcurrencyLimitLayerBuilder::lease_time) while
+//! the request runs, and removed when its response ends. An instance that crashes stops
+//! renewing: its leases free their places after one lease time, and not before.
+//!
+//! ```no_run
+//! # #[cfg(feature = "redis")]
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use tollgate::key::Header;
+//! use tollgate::limiter::Rule;
+//! use tollgate::{ConcurrencyLimitLayer, RedisStore};
+//!
+//! let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+//! let limits = ConcurrencyLimitLayer::builder()
+//!     .rule(Rule::new("per-tenant").key(Header::from_static("x-tenant")), 20)
+//!     .redis(store)
+//!     .lease_time(Duration::from_secs(10))
+//!     .build()?;
+//! # let _ = limits;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! A request first takes its place in process (a key over its limit on this instance alone
+//! costs no call to Redis), then its leases; the total cap stays in process, since it protects
+//! this instance. When Redis fails, [`on_store_error`](ConcurrencyLimitLayerBuilder::on_store_error)
+//! decides: each instance goes on with its own limit (the default), or refuses with `503`.
+//! [`lease_stats`](ConcurrencyLimitLayer::lease_stats) counts what the leases did.
+//!
 //! Put it inside the rate limit (a request refused by its quota should not take a place) and
 //! around the work it protects.
 
 mod layer;
+#[cfg(feature = "redis")]
+mod leases;
 mod service;
 pub(crate) mod table;
 
@@ -84,3 +122,8 @@ pub use layer::{
 };
 pub(crate) use layer::{Permit, bounded};
 pub use service::ConcurrencyLimit;
+
+#[cfg(feature = "redis")]
+pub use leases::LeaseStats;
+#[cfg(feature = "redis")]
+pub use leases::{DEFAULT_LEASE_TIME, MAX_LEASE_TIME, MIN_LEASE_TIME};

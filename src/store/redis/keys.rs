@@ -92,6 +92,28 @@ impl KeyNames {
     /// [`KeyNames::name`], with the slot picked from `placement` (the start of `key` that
     /// places it) under [`KeySlots::UntilDelimiter`].
     pub(crate) fn placed_name(&self, key: &str, placement: &str, policy: &Policy) -> String {
+        let mut out = self.start(key, placement);
+        let _ = write!(
+            out,
+            "{}:{:016x}:",
+            algorithm_code(policy.algorithm()),
+            policy_fingerprint(policy)
+        );
+        escape_into(&mut out, key);
+        out
+    }
+
+    /// The sorted set of a concurrency limit's leases for `key`:
+    /// `{prefix}{tag}:cc:{key}`, placed as [`KeyNames::placed_name`] places it.
+    pub(crate) fn lease_name(&self, key: &str, placement: &str) -> String {
+        let mut out = self.start(key, placement);
+        out.push_str("cc:");
+        escape_into(&mut out, key);
+        out
+    }
+
+    /// `{prefix}{tag}:`, the tag picked from the key as the slot strategy says.
+    fn start(&self, key: &str, placement: &str) -> String {
         let tag_text = match &self.slots {
             KeySlots::PerKey => key,
             KeySlots::UntilDelimiter(c) => {
@@ -102,15 +124,7 @@ impl KeyNames {
         };
         let tag = fnv1a(&[tag_text.as_bytes()]);
         let mut out = String::with_capacity(self.prefix.len() + 48 + key.len().min(160));
-        let _ = write!(
-            out,
-            "{}{{{:016x}}}:{}:{:016x}:",
-            self.prefix,
-            tag,
-            algorithm_code(policy.algorithm()),
-            policy_fingerprint(policy)
-        );
-        escape_into(&mut out, key);
+        let _ = write!(out, "{}{{{:016x}}}:", self.prefix, tag);
         out
     }
 }
@@ -183,6 +197,21 @@ mod tests {
         // A short key cannot imitate a hashed one: `#` is escaped.
         let hashed = a.rsplit(':').next().unwrap();
         assert!(!names().name(hashed, &p).ends_with(hashed));
+    }
+
+    #[test]
+    fn lease_sets_are_placed_like_the_key_and_apart_from_policies() {
+        let n = KeyNames {
+            prefix: "t:".into(),
+            slots: KeySlots::UntilDelimiter('@'),
+        };
+        let p = Policy::gcra(crate::Rate::per_second(1), 1).unwrap();
+        let lease = n.lease_name("u1@per-user", "u1");
+        let state = n.placed_name("u1@per-user", "u1", &p);
+        assert_eq!(lease[..20], state[..20], "one slot: {lease} {state}");
+        assert!(lease.ends_with(":cc:u1@per-user"), "{lease}");
+        assert_ne!(lease, n.lease_name("u2@per-user", "u2"));
+        assert_eq!(n.lease_name("{x}", "{x}").matches('{').count(), 1);
     }
 
     #[test]

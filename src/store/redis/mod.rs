@@ -222,6 +222,8 @@ const REFUND_LUA: &str = concat!(
     include_str!("refund.lua"),
 );
 
+const LEASE_LUA: &str = concat!(include_str!("common.lua"), include_str!("lease.lua"));
+
 /// A script and its SHA-1.
 #[derive(Clone, Debug)]
 struct Lua {
@@ -245,6 +247,7 @@ struct Scripts {
     single: [Lua; 6],
     mixed: Lua,
     refund: Lua,
+    lease: Lua,
 }
 
 impl Scripts {
@@ -260,11 +263,14 @@ impl Scripts {
             ],
             mixed: Lua::new(MIXED_LUA),
             refund: Lua::new(REFUND_LUA),
+            lease: Lua::new(LEASE_LUA),
         }
     }
 
     fn all(&self) -> impl Iterator<Item = &Lua> {
-        self.single.iter().chain([&self.mixed, &self.refund])
+        self.single
+            .iter()
+            .chain([&self.mixed, &self.refund, &self.lease])
     }
 
     /// The script for a call on these items.
@@ -464,6 +470,72 @@ impl RedisStore {
     /// Whether the store talks to a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
         self.inner.clustered
+    }
+}
+
+/// What to do with a lease of a concurrency limit (see `lease.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LeaseOp {
+    /// Take a lease if fewer than `max` are live.
+    Acquire { max: u32 },
+    /// Move a live lease's deadline.
+    Renew,
+    /// Give the lease back.
+    Release,
+}
+
+/// The leases of concurrency limits: places in flight that several instances share, each
+/// with a deadline so that an instance that crashes leaks nothing beyond one lease time.
+impl RedisStore {
+    /// The Redis key of the leases of `key`, whose first `placed_by` bytes place it.
+    pub(crate) fn lease_key(&self, key: &str, placed_by: usize) -> Key {
+        let placement = key.get(..placed_by).unwrap_or(key);
+        Key::from(self.inner.names.lease_name(key, placement))
+    }
+
+    /// A lease id no other lease of any instance has.
+    pub(crate) fn new_lease_id(&self) -> Str {
+        Str::from(format!(
+            "{:x}.{:x}",
+            self.inner.instance,
+            self.inner.tokens.fetch_add(1, Ordering::Relaxed)
+        ))
+    }
+
+    /// Runs `op` on lease `id` of the leases at `key`, each lasting `lease` from now: whether
+    /// it did (took, renewed, released), and how many leases are live.
+    pub(crate) async fn lease(
+        &self,
+        key: &Key,
+        id: &Str,
+        op: LeaseOp,
+        lease: Duration,
+    ) -> Result<(bool, u64), StoreError> {
+        let inner = &self.inner;
+        let (name, max) = match op {
+            LeaseOp::Acquire { max } => ("acquire", max),
+            LeaseOp::Renew => ("renew", 0),
+            LeaseOp::Release => ("release", 0),
+        };
+        let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1);
+        let build = || {
+            let mut args: Vec<Value> = Vec::with_capacity(7);
+            args.extend(inner.now_args());
+            args.push(static_str(name));
+            args.push(Value::String(id.clone()));
+            args.push(Value::from(max.to_string()));
+            args.push(Value::from(lease_ms.to_string()));
+            (vec![key.clone()], args)
+        };
+        let out = eval::<Vec<i64>>(&inner.pool, &inner.scripts.lease, build)
+            .await
+            .map_err(|e| backend_error(&e, inner.timeout))?;
+        match out[..] {
+            [ok, live] => Ok((ok == 1, u64::try_from(live).unwrap_or(0))),
+            _ => Err(StoreError::Backend(Box::new(RedisError {
+                message: format!("unexpected lease answer of {} values", out.len()),
+            }))),
+        }
     }
 }
 
@@ -696,11 +768,24 @@ impl Inner {
         }
     }
 
+    /// The first three script arguments of a call made now.
+    fn now_args(&self) -> [Value; 3] {
+        let time = self.injected.as_ref().map(|c| {
+            let now = c.now();
+            (now / 1_000_000_000, now % 1_000_000_000)
+        });
+        self.time_args_at(time)
+    }
+
     /// The first three script arguments: the time (injected, or empty for Redis `TIME`) and
     /// the TTL slack.
     fn time_args(&self, call: &Call) -> [Value; 3] {
+        self.time_args_at(call.time)
+    }
+
+    fn time_args_at(&self, time: Option<(u64, u64)>) -> [Value; 3] {
         let slack = Value::String(self.slack_arg.clone());
-        match call.time {
+        match time {
             Some((s, n)) => [
                 Value::from(s.to_string()),
                 Value::from(n.to_string()),
