@@ -576,3 +576,97 @@ async fn dropped_waiters_leave_and_the_total_cap_queues_too() {
     drop(admitted);
     assert_eq!((limits.total_in_flight(), limits.tracked_keys()), (0, 0));
 }
+
+/// A tiered rule's limit per key follows the key's tier: the resolver is asked once per key
+/// (its answers are remembered), an unknown answer means the default tier.
+#[tokio::test(start_paused = true)]
+async fn tiered_limits_follow_each_keys_tier() {
+    use tollgate::limiter::Tiers;
+    let asked = Arc::new(AtomicU64::new(0));
+    let plans = {
+        let asked = asked.clone();
+        Tiers::new(move |key: String| {
+            asked.fetch_add(1, Ordering::SeqCst);
+            async move {
+                match key.split('-').next() {
+                    Some("pro") => Some("pro".to_owned()),
+                    Some("odd") => Some("platinum".to_owned()),
+                    _ => None,
+                }
+            }
+        })
+        .default_tier("free")
+    };
+    let limits = ConcurrencyLimitLayer::builder()
+        .tiered(
+            Rule::new("per-user").key(Header::from_static("x-user")),
+            plans,
+            [("pro", 3), ("free", 1)],
+        )
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let mut held = Vec::new();
+    let mut statuses = |user: &'static str, n: usize| {
+        let service = service.clone();
+        async move {
+            let mut out = Vec::new();
+            for _ in 0..n {
+                let r = service.clone().oneshot(request(user, "/")).await.unwrap();
+                out.push((r.status().as_u16(), r));
+            }
+            out
+        }
+    };
+    for (user, expected) in [
+        ("pro-1", vec![200, 200, 200, 429]),
+        ("free-1", vec![200, 429]),
+        ("odd-1", vec![200, 429]),
+    ] {
+        let answers = statuses(user, expected.len()).await;
+        assert_eq!(
+            answers.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+            expected,
+            "{user}"
+        );
+        held.extend(answers.into_iter().map(|(_, r)| r));
+    }
+    assert_eq!(asked.load(Ordering::SeqCst), 3, "once per key");
+    assert_eq!(limits.in_flight("per-user", "pro-1"), 3);
+    drop(held);
+    assert_eq!(limits.tracked_keys(), 0);
+}
+
+#[test]
+fn tiered_rules_are_checked() {
+    use tollgate::limiter::Tiers;
+    let resolver = |_: String| async { None };
+    let build = |tiers: Tiers, limits: Vec<(&str, u32)>| {
+        ConcurrencyLimitLayer::builder()
+            .tiered(Rule::new("r").key(Global), tiers, limits)
+            .build()
+            .unwrap_err()
+    };
+    let invalid = |e: ConcurrencyError| matches!(e, ConcurrencyError::InvalidTiers { .. });
+    assert!(invalid(build(Tiers::new(resolver), vec![])));
+    assert!(invalid(build(
+        Tiers::new(resolver),
+        vec![("a", 1), ("a", 2)]
+    )));
+    assert!(invalid(build(Tiers::new(resolver), vec![("a b", 1)])));
+    assert!(invalid(build(
+        Tiers::new(resolver).default_tier("gold"),
+        vec![("a", 1)]
+    )));
+    let with_policies = Tiers::new(resolver).tier(
+        "a",
+        [tollgate::Policy::gcra(tollgate::Rate::per_second(1), 1).unwrap()],
+    );
+    assert!(invalid(build(with_policies, vec![("a", 1)])));
+    assert_eq!(
+        build(Tiers::new(resolver), vec![("a", 1), ("b", 0)]),
+        ConcurrencyError::ZeroLimit("r/b".into())
+    );
+}

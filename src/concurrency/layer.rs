@@ -19,7 +19,7 @@ use crate::answer::{DefaultResponder, Rejection, RejectionKind, Responder};
 use crate::clock::{Clock, SystemClock};
 use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::{Key, MAX_KEY_LEN};
-use crate::limiter::{Matcher, Rule, valid_name};
+use crate::limiter::{Matcher, Rule, TierLookup, Tiers, valid_name};
 #[cfg(feature = "redis")]
 use crate::store::FailurePolicy;
 
@@ -129,7 +129,7 @@ impl fmt::Debug for ConcurrencyLimitLayer {
 /// Builds a [`ConcurrencyLimitLayer`]; everything is validated by
 /// [`ConcurrencyLimitLayerBuilder::build`].
 pub struct ConcurrencyLimitLayerBuilder {
-    rules: Vec<(Rule, u32)>,
+    rules: Vec<(Rule, RuleLimit)>,
     total: Option<u32>,
     queue: Option<(usize, Duration)>,
     #[cfg(feature = "redis")]
@@ -148,7 +148,44 @@ impl ConcurrencyLimitLayerBuilder {
     /// limits; the rule takes no policies here). Every rule that matches a request applies,
     /// all or nothing.
     pub fn rule(mut self, rule: Rule, max_in_flight: u32) -> Self {
-        self.rules.push((rule, max_in_flight));
+        self.rules.push((rule, RuleLimit::One(max_in_flight)));
+        self
+    }
+
+    /// A rule whose limit per key depends on the key's tier (its plan: free, pro), as
+    /// `tiers` find it: `limits` gives each tier's most requests in flight per key, and the
+    /// tier names. `tiers` brings the resolver, its cache and the default tier (the first of
+    /// `limits` unless set); its own [`Tiers::tier`] list is for rate limits and must be
+    /// empty here. The resolver gets the key the rule's extractor found and is asked at most
+    /// once per key per cache time; a request whose key's tier is not known yet waits for the
+    /// answer.
+    ///
+    /// ```
+    /// use tollgate::ConcurrencyLimitLayer;
+    /// use tollgate::key::Header;
+    /// use tollgate::limiter::{Rule, Tiers};
+    ///
+    /// let plans = Tiers::new(|key: String| async move {
+    ///     key.starts_with("pro-").then(|| "pro".to_owned())
+    /// });
+    /// let limits = ConcurrencyLimitLayer::builder()
+    ///     .tiered(
+    ///         Rule::new("per-key").key(Header::from_static("x-api-key")),
+    ///         plans,
+    ///         [("free", 2), ("pro", 20)],
+    ///     )
+    ///     .build()?;
+    /// # let _ = limits;
+    /// # Ok::<(), tollgate::concurrency::ConcurrencyError>(())
+    /// ```
+    pub fn tiered<N: Into<String>>(
+        mut self,
+        rule: Rule,
+        tiers: Tiers,
+        limits: impl IntoIterator<Item = (N, u32)>,
+    ) -> Self {
+        let limits = limits.into_iter().map(|(n, max)| (n.into(), max)).collect();
+        self.rules.push((rule, RuleLimit::Tiered(tiers, limits)));
         self
     }
 
@@ -244,12 +281,20 @@ impl ConcurrencyLimitLayerBuilder {
             if !rule.policies.is_empty() || rule.tiers.is_some() || rule.shadow {
                 return Err(ConcurrencyError::NotAConcurrencyRule(name));
             }
+            let (max, tiers) = match max {
+                RuleLimit::One(max) => (max, None),
+                RuleLimit::Tiered(tiers, limits) => {
+                    let tiers = tiered_limits(&name, tiers, limits)?;
+                    (tiers.limits.iter().copied().max().unwrap_or(0), Some(tiers))
+                }
+            };
             if max == 0 {
                 return Err(ConcurrencyError::ZeroLimit(name));
             }
             rules.push(KeyedRule {
                 matcher: Matcher::new(rule),
                 max,
+                tiers,
                 latency: Latency::default(),
             });
         }
@@ -307,6 +352,15 @@ pub enum ConcurrencyError {
     NotAConcurrencyRule(String),
     /// More rules than 65 535.
     TooManyRules(usize),
+    /// The tiers of a [`tiered`](ConcurrencyLimitLayerBuilder::tiered) rule: none declared,
+    /// a name used twice or not valid, a default that is not declared, or [`Tiers`] that
+    /// declare policies.
+    InvalidTiers {
+        /// The rule.
+        rule: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A lease time outside [`MIN_LEASE_TIME`](super::MIN_LEASE_TIME) to
     /// [`MAX_LEASE_TIME`](super::MAX_LEASE_TIME).
     #[cfg(feature = "redis")]
@@ -334,6 +388,9 @@ impl fmt::Display for ConcurrencyError {
                  only its matching and key, and its limit from .rule(rule, max_in_flight)"
             ),
             ConcurrencyError::TooManyRules(n) => write!(f, "{n} rules: at most 65535"),
+            ConcurrencyError::InvalidTiers { rule, reason } => {
+                write!(f, "the tiers of rule {rule:?}: {reason}")
+            }
             #[cfg(feature = "redis")]
             ConcurrencyError::LeaseTime(t) => write!(
                 f,
@@ -364,9 +421,90 @@ pub(crate) struct Shared {
 /// A rule: which requests, which key, how many in flight per key.
 struct KeyedRule {
     matcher: Matcher,
+    /// The limit per key (with tiers, the largest of theirs).
     max: u32,
+    tiers: Option<TieredLimits>,
     /// How long this rule's requests stayed in flight.
     latency: Latency,
+}
+
+/// A rule's limit as the builder got it.
+#[derive(Debug)]
+enum RuleLimit {
+    One(u32),
+    Tiered(Tiers, Vec<(String, u32)>),
+}
+
+/// The limits of a tiered rule: the lookup of a key's tier, and each tier's limit.
+struct TieredLimits {
+    lookup: TierLookup,
+    limits: Box<[u32]>,
+}
+
+/// Checks the tiers of rule `rule` and makes their lookup.
+fn tiered_limits(
+    rule: &str,
+    mut tiers: Tiers,
+    limits: Vec<(String, u32)>,
+) -> Result<TieredLimits, ConcurrencyError> {
+    let invalid = |reason: String| ConcurrencyError::InvalidTiers {
+        rule: rule.to_owned(),
+        reason,
+    };
+    if !tiers.tiers.is_empty() {
+        return Err(invalid(
+            "its Tiers declare policies (.tier): give the tiers' limits to .tiered instead".into(),
+        ));
+    }
+    if limits.is_empty() {
+        return Err(invalid("no tier declared".into()));
+    }
+    if limits.len() > usize::from(u16::MAX) {
+        return Err(invalid("more than 65535 tiers".into()));
+    }
+    for (i, (tier, max)) in limits.iter().enumerate() {
+        if !valid_name(tier) {
+            return Err(invalid(format!(
+                "tier name {:?}: use 1 to {} of a-z A-Z 0-9 - _ . :",
+                tier.chars().take(80).collect::<String>(),
+                crate::MAX_NAME_LEN
+            )));
+        }
+        if limits[..i].iter().any(|(t, _)| t == tier) {
+            return Err(invalid(format!("tier {tier:?} is declared twice")));
+        }
+        if *max == 0 {
+            return Err(ConcurrencyError::ZeroLimit(format!("{rule}/{tier}")));
+        }
+    }
+    let default = match &tiers.default {
+        None => 0,
+        Some(d) => limits
+            .iter()
+            .position(|(t, _)| t == d)
+            .ok_or_else(|| invalid(format!("the default tier {d:?} is not declared")))?,
+    };
+    tiers.tiers = limits
+        .iter()
+        .map(|(t, _)| (t.clone(), Vec::new()))
+        .collect();
+    Ok(TieredLimits {
+        lookup: tiers.into_resolved(u16::try_from(default).unwrap_or(0)),
+        limits: limits.into_iter().map(|(_, max)| max).collect(),
+    })
+}
+
+impl TieredLimits {
+    /// The limit of a tier (the lookup answers only tiers it was given).
+    fn limit(&self, tier: u16) -> u32 {
+        self.limits.get(usize::from(tier)).copied().unwrap_or(0)
+    }
+}
+
+/// The tier key of a store key: the extractor's key, before `@rule`.
+fn tier_key(key: &Key) -> &str {
+    let text = key.as_str();
+    &text[..text.rfind('@').unwrap_or(text.len())]
 }
 
 struct Total {
@@ -443,6 +581,9 @@ pub(crate) struct Permit {
     leases: SmallVec<[Lease; 1]>,
 }
 
+/// The limit of a place whose key's tier is not known yet.
+const UNRESOLVED: u32 = 0;
+
 /// The keys a request takes a place of, one per rule that applies.
 type Places = SmallVec<[Place; 2]>;
 
@@ -510,7 +651,15 @@ impl Shared {
     /// Takes the places of every rule that applies and of the total cap, all or none; or,
     /// with a queue that has room, waits for them.
     pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Refusal> {
-        let mut places = self.places(parts)?;
+        let places = self.places(parts)?;
+        if places.iter().any(|p| p.max == UNRESOLVED) {
+            return Ok(Admitted::Later(Box::pin(Arc::clone(self).resolve(places))));
+        }
+        self.admit_places(places)
+    }
+
+    /// Takes the places (and leases), or waits for them in the queue.
+    fn admit_places(self: &Arc<Self>, mut places: Places) -> Result<Admitted, Refusal> {
         match self.take(&mut places) {
             #[cfg(feature = "redis")]
             Ok(permit) if self.leases.is_some() && !permit.held.is_empty() => {
@@ -523,6 +672,26 @@ impl Shared {
                 ),
                 _ => Err(refusal),
             },
+        }
+    }
+
+    /// Asks the resolver the tiers not remembered yet, then admits.
+    async fn resolve(self: Arc<Self>, mut places: Places) -> Result<Held, Refuse> {
+        for place in places.iter_mut().filter(|p| p.max == UNRESOLVED) {
+            if let Some(tiers) = self
+                .rules
+                .get(usize::from(place.rule))
+                .and_then(|r| r.tiers.as_ref())
+            {
+                let key = tier_key(&place.key);
+                let answer = tiers.lookup.resolve(key).await;
+                place.max = tiers.limit(tiers.lookup.remember(key, answer.as_deref()));
+            }
+        }
+        match self.admit_places(places) {
+            Ok(Admitted::Now(held)) => Ok(held),
+            Ok(Admitted::Later(pending)) => pending.await,
+            Err(refusal) => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
         }
     }
 
@@ -544,9 +713,16 @@ impl Shared {
                     });
                 }
             };
+            let max = match &rule.tiers {
+                None => rule.max,
+                Some(tiers) => tiers
+                    .lookup
+                    .cached(tier_key(&key))
+                    .map_or(UNRESOLVED, |tier| tiers.limit(tier)),
+            };
             places.push(Place {
                 rule: index,
-                max: rule.max,
+                max,
                 hash: self.in_flight.hash(key.as_str()),
                 key,
             });

@@ -11,6 +11,8 @@
 //!   client's own doing), `Retry-After` estimated from how long that rule's requests have
 //!   been staying in flight (at least 1 s, at most [`MAX_RETRY_AFTER`]), `Cache-Control: no-store` and a problem+json body
 //!   of type [`TOO_MANY_IN_FLIGHT_TYPE`](crate::answer::TOO_MANY_IN_FLIGHT_TYPE).
+//! - **Per tier**: with [`tiered`](ConcurrencyLimitLayerBuilder::tiered), the limit of a key
+//!   follows its tier (free, pro), found by a [`Tiers`](crate::limiter::Tiers) resolver.
 //! - **In all**: an optional total cap over every request the layer sees. Over it: `503`
 //!   (the service's limit, not the client's), with `Retry-After`.
 //! - gRPC requests get `RESOURCE_EXHAUSTED` and `UNAVAILABLE` with `grpc-retry-pushback-ms`,

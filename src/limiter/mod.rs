@@ -65,5 +65,5 @@ pub(crate) use plan::{
 pub use plan::{Limiter, LimiterBuilder, LimiterError, ShadowRejection};
 pub(crate) use rule::Matcher;
 pub use rule::{MissingKey, Rule};
-pub(crate) use tier::Resolving;
 pub use tier::{DEFAULT_TIER_CACHE_CAPACITY, DEFAULT_TIER_TTL, TierResolver, Tiers};
+pub(crate) use tier::{Resolving, TierLookup};
