@@ -609,7 +609,7 @@ async fn tiered_limits_follow_each_keys_tier() {
         Ok::<_, Infallible>(Response::new(frames(1)))
     }));
     let mut held = Vec::new();
-    let mut statuses = |user: &'static str, n: usize| {
+    let statuses = |user: &'static str, n: usize| {
         let service = service.clone();
         async move {
             let mut out = Vec::new();
