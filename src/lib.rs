@@ -39,6 +39,8 @@ pub struct ReadmeDoctests;
 
 pub mod algorithm;
 pub mod answer;
+#[cfg(feature = "client")]
+pub mod client;
 pub mod clock;
 pub mod concurrency;
 mod decision;

@@ -1,0 +1,9 @@
+//! The client half (feature `client`): what a well-behaved caller of a limited service does.
+//!
+//! - [`ServerHints`] reads what a response says about calling again: `Retry-After` (both
+//!   forms), gRPC's `grpc-retry-pushback-ms`, the IETF `RateLimit` / `RateLimit-Policy` fields
+//!   (parsed as Structured Fields) and the legacy `X-RateLimit-*` trio.
+
+mod hints;
+
+pub use hints::{MAX_HINT, Pushback, Quota, RetryHint, ServerHints};
