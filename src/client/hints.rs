@@ -71,6 +71,8 @@ pub enum RetryHint {
 
 impl ServerHints {
     /// Reads the hints of a response received now.
+    // An HTTP date is a wall-clock time: it is read against the wall clock, not a `Clock`.
+    #[allow(clippy::disallowed_methods)]
     pub fn read(headers: &HeaderMap) -> Self {
         Self::read_at(headers, SystemTime::now())
     }
@@ -141,9 +143,12 @@ fn pushback(value: &str) -> Option<Pushback> {
     Some(Pushback::After(Duration::from_millis(ms).min(MAX_HINT)))
 }
 
+/// The Integer parameters of a Structured Fields member.
+type Params = SmallVec<[(String, i64); 4]>;
+
 /// The members of a Structured Fields List, each a String or Token with Integer parameters:
 /// (name, [(parameter, value)]). Members of other shapes are skipped.
-fn sf_members(value: &str) -> Vec<(String, SmallVec<[(String, i64); 4]>)> {
+fn sf_members(value: &str) -> Vec<(String, Params)> {
     let Ok(list) = sfv::Parser::new(value).parse::<sfv::List>() else {
         return Vec::new();
     };
