@@ -508,11 +508,12 @@ async fn a_queued_request_gets_the_first_place_given_back() {
     let second = tokio::spawn(service.clone().oneshot(request("a", "/")));
     tokio::task::yield_now().await;
     assert_eq!(limits.queued(), 1);
-    // Another key does not wait and does not wake the waiter.
+    // Another key does not wait, and its place going back does not serve the waiter.
     let other = service.clone().oneshot(request("b", "/")).await.unwrap();
     assert_eq!(other.status(), StatusCode::OK);
     drop(other);
     tokio::task::yield_now().await;
+    assert!(!second.is_finished());
     assert_eq!(limits.queued(), 1);
     drop(first);
     let second = second.await.unwrap().unwrap();
@@ -669,4 +670,63 @@ fn tiered_rules_are_checked() {
         build(Tiers::new(resolver), vec![("a", 1), ("b", 0)]),
         ConcurrencyError::ZeroLimit("r/b".into())
     );
+}
+
+/// At most as many requests wait for a key as it has places: one client cannot fill the
+/// queue that every key shares.
+#[tokio::test(start_paused = true)]
+async fn one_key_cannot_fill_the_queue() {
+    let limits = queued(1, None, 8);
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let _a = service.clone().oneshot(request("a", "/")).await.unwrap();
+    let _b = service.clone().oneshot(request("b", "/")).await.unwrap();
+    let start = tokio::time::Instant::now();
+    let waiting = tokio::spawn(service.clone().oneshot(request("a", "/")));
+    tokio::task::yield_now().await;
+    let refused = service.clone().oneshot(request("a", "/")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(start.elapsed(), Duration::ZERO, "refused at once");
+    // Another key still finds room.
+    let other = tokio::spawn(service.clone().oneshot(request("b", "/")));
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 2);
+    assert_eq!(
+        waiting.await.unwrap().unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        other.await.unwrap().unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(limits.queued(), 0);
+}
+
+/// A key too long to keep whole (it is hashed in the table) is still asked about as it is.
+#[tokio::test(start_paused = true)]
+async fn a_long_key_gets_its_own_tier() {
+    use tollgate::limiter::Tiers;
+    let plans =
+        Tiers::new(|key: String| async move { key.starts_with("pro-").then(|| "pro".to_owned()) });
+    let limits = ConcurrencyLimitLayer::builder()
+        .tiered(
+            Rule::new("per-user").key(Header::from_static("x-user")),
+            plans,
+            [("free", 1), ("pro", 2)],
+        )
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let user = format!("pro-{}", "x".repeat(4_000));
+    let first = service.clone().oneshot(request(&user, "/")).await.unwrap();
+    let second = service.clone().oneshot(request(&user, "/")).await.unwrap();
+    assert_eq!(
+        (first.status(), second.status()),
+        (StatusCode::OK, StatusCode::OK)
+    );
+    let third = service.clone().oneshot(request(&user, "/")).await.unwrap();
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
 }

@@ -205,13 +205,14 @@ async fn a_crashed_instances_leases_expire_after_the_lease_time() {
 }
 
 /// Renewal keeps a long request's lease past the lease time; a lease not renewed in time is
-/// lost (counted), and its place is free for others.
+/// lost (counted) and put back, since its request still runs. The lease time is long enough
+/// that the background renewer (every third of it, in real time) never runs here.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewals_keep_long_requests_counted() {
     let server = redis_or_skip!();
     let url = server.url();
     let clock = ManualClock::new();
-    let lease = Duration::from_secs(3);
+    let lease = Duration::from_secs(60);
     let long = per_user(store(&url, Some(&clock)).await, 1, lease);
     let other = per_user(store(&url, Some(&clock)).await, 1, lease);
     let ok = || {
@@ -223,7 +224,7 @@ async fn renewals_keep_long_requests_counted() {
     let running = long_service.clone().oneshot(request("d")).await.unwrap();
     assert_eq!(running.status(), StatusCode::OK);
     for _ in 0..3 {
-        clock.advance(Duration::from_secs(2));
+        clock.advance(Duration::from_secs(40));
         long.renew_leases().await;
         let r = other_service.clone().oneshot(request("d")).await.unwrap();
         assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS, "still counted");
@@ -234,8 +235,61 @@ async fn renewals_keep_long_requests_counted() {
     assert_eq!(taken.status(), StatusCode::OK, "an unrenewed lease expires");
     long.renew_leases().await;
     assert_eq!(long.lease_stats().lost, 1);
+    // Both requests run: Redis counts both again, and a third is refused.
+    assert_eq!(live_leases(&server), 2);
+    let third = other_service.clone().oneshot(request("d")).await.unwrap();
+    assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
     drop((running, taken));
     until_no_leases(&server).await;
+}
+
+/// Requests dropped while their lease is being taken (a client gone, a timeout) leave no
+/// lease behind, whenever the drop comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_dropped_while_leasing_leave_no_lease() {
+    let server = redis_or_skip!();
+    let layer = per_user(
+        store(&server.url(), None).await,
+        100,
+        Duration::from_secs(60),
+    );
+    let service = layer.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let mut tasks = Vec::new();
+    for n in 0..60 {
+        let service = service.clone();
+        let task = tokio::spawn(async move { service.oneshot(request("f")).await });
+        // Dropped at every stage: before the script is sent, while it runs, after.
+        for _ in 0..(n % 6) {
+            tokio::task::yield_now().await;
+        }
+        task.abort();
+        tasks.push(task);
+    }
+    for task in tasks {
+        if let Ok(done) = task.await {
+            drop(done.unwrap());
+        }
+    }
+    until_no_leases(&server).await;
+    assert_eq!(layer.in_flight("per-user", "f"), 0);
+    assert_eq!(layer.lease_stats().live, 0);
+}
+
+/// A lease time too short for the store's timeout is refused when the layer is built.
+#[tokio::test]
+async fn a_lease_time_is_checked_against_the_timeout() {
+    let server = redis_or_skip!();
+    let built = ConcurrencyLimitLayer::builder()
+        .rule(Rule::new("per-user").key(Header::from_static("x-user")), 1)
+        .redis(store(&server.url(), None).await)
+        .lease_time(Duration::from_millis(1_400))
+        .build();
+    assert!(matches!(
+        built,
+        Err(tollgate::concurrency::ConcurrencyError::LeaseTime(_))
+    ));
 }
 
 /// Redis dies: by default each instance goes on with its own in-process limit; with

@@ -223,7 +223,8 @@ impl ConcurrencyLimitLayerBuilder {
 
     /// How long a lease on Redis lasts without renewal: what a crashed instance can leak
     /// ([`DEFAULT_LEASE_TIME`](super::DEFAULT_LEASE_TIME) unless set; between
-    /// [`MIN_LEASE_TIME`](super::MIN_LEASE_TIME) and [`MAX_LEASE_TIME`](super::MAX_LEASE_TIME)).
+    /// [`MIN_LEASE_TIME`](super::MIN_LEASE_TIME) and [`MAX_LEASE_TIME`](super::MAX_LEASE_TIME),
+    /// and at least three times the store's [timeout](crate::store::redis::RedisStoreBuilder::timeout)).
     #[cfg(feature = "redis")]
     pub fn lease_time(mut self, lease: Duration) -> Self {
         self.lease_time = lease;
@@ -264,7 +265,12 @@ impl ConcurrencyLimitLayerBuilder {
             return Err(ConcurrencyError::TooManyRules(self.rules.len()));
         }
         #[cfg(feature = "redis")]
-        if !(super::MIN_LEASE_TIME..=super::MAX_LEASE_TIME).contains(&self.lease_time) {
+        if !(super::MIN_LEASE_TIME..=super::MAX_LEASE_TIME).contains(&self.lease_time)
+            || self
+                .redis
+                .as_ref()
+                .is_some_and(|store| self.lease_time < store.timeout().saturating_mul(3))
+        {
             return Err(ConcurrencyError::LeaseTime(self.lease_time));
         }
         let mut rules: Vec<KeyedRule> = Vec::with_capacity(self.rules.len());
@@ -362,7 +368,8 @@ pub enum ConcurrencyError {
         reason: String,
     },
     /// A lease time outside [`MIN_LEASE_TIME`](super::MIN_LEASE_TIME) to
-    /// [`MAX_LEASE_TIME`](super::MAX_LEASE_TIME).
+    /// [`MAX_LEASE_TIME`](super::MAX_LEASE_TIME), or shorter than three times the store's
+    /// timeout (a renewal goes every third of it, and may take a timeout).
     #[cfg(feature = "redis")]
     LeaseTime(Duration),
 }
@@ -394,7 +401,8 @@ impl fmt::Display for ConcurrencyError {
             #[cfg(feature = "redis")]
             ConcurrencyError::LeaseTime(t) => write!(
                 f,
-                "a lease time of {t:?}: use {:?} to {:?}",
+                "a lease time of {t:?}: use {:?} to {:?}, and at least three times the \
+                 store's timeout",
                 super::MIN_LEASE_TIME,
                 super::MAX_LEASE_TIME
             ),
@@ -501,12 +509,6 @@ impl TieredLimits {
     }
 }
 
-/// The tier key of a store key: the extractor's key, before `@rule`.
-fn tier_key(key: &Key) -> &str {
-    let text = key.as_str();
-    &text[..text.rfind('@').unwrap_or(text.len())]
-}
-
 struct Total {
     max: u32,
     count: AtomicU32,
@@ -517,6 +519,19 @@ struct Queue {
     max: usize,
     max_wait: Duration,
     waiting: AtomicUsize,
+}
+
+/// A request counted among those waiting for a place of `key`; dropping it stops counting.
+struct KeyQueue<'a> {
+    in_flight: &'a InFlight,
+    hash: u64,
+    key: Key,
+}
+
+impl Drop for KeyQueue<'_> {
+    fn drop(&mut self) {
+        self.in_flight.leave_queue(self.hash, &self.key);
+    }
 }
 
 /// A request's place in the [`Queue`]; dropping it leaves the queue.
@@ -590,6 +605,8 @@ type Places = SmallVec<[Place; 2]>;
 struct Place {
     rule: u16,
     max: u32,
+    /// The key as the extractor found it, while its tier is being resolved.
+    raw: Option<Box<str>>,
     hash: u64,
     key: Key,
 }
@@ -683,9 +700,13 @@ impl Shared {
                 .get(usize::from(place.rule))
                 .and_then(|r| r.tiers.as_ref())
             {
-                let key = tier_key(&place.key);
-                let answer = tiers.lookup.resolve(key).await;
-                place.max = tiers.limit(tiers.lookup.remember(key, answer.as_deref()));
+                let raw = place.raw.take();
+                let answer = tiers
+                    .lookup
+                    .resolve(raw.as_deref().unwrap_or(place.key.as_str()))
+                    .await;
+                let tier = tiers.lookup.remember(place.key.as_str(), answer.as_deref());
+                place.max = tiers.limit(tier);
             }
         }
         match self.admit_places(places) {
@@ -713,16 +734,17 @@ impl Shared {
                     });
                 }
             };
-            let max = match &rule.tiers {
-                None => rule.max,
-                Some(tiers) => tiers
-                    .lookup
-                    .cached(tier_key(&key))
-                    .map_or(UNRESOLVED, |tier| tiers.limit(tier)),
+            let (max, raw) = match &rule.tiers {
+                None => (rule.max, None),
+                Some(tiers) => match tiers.lookup.cached(key.as_str()) {
+                    Some(tier) => (tiers.limit(tier), None),
+                    None => (UNRESOLVED, rule.matcher.raw_key(parts)),
+                },
             };
             places.push(Place {
                 rule: index,
                 max,
+                raw,
                 hash: self.in_flight.hash(key.as_str()),
                 key,
             });
@@ -804,37 +826,63 @@ impl Shared {
         Ok(permit.grant())
     }
 
-    /// Waits in the queue (if it still has room) until the places are free, or the queue's
-    /// longest wait has passed: then the request is refused for the last reason it met.
+    /// Waits in the queue for the places, then takes the leases; refused for the last reason
+    /// met when the queue is full or the wait runs out.
     async fn wait(
         self: Arc<Self>,
         mut places: Places,
         mut refusal: Refusal,
     ) -> Result<Held, Refuse> {
-        if let Some(queue) = &self.queue {
-            if let Some(_in_queue) = queue.enter() {
-                let deadline = tokio::time::Instant::now() + queue.max_wait;
-                loop {
-                    let on = match refusal {
-                        Refusal::Busy { rule } => {
-                            places.iter().find(|p| p.rule == rule).map(|p| p.hash)
-                        }
-                        _ => None,
-                    };
-                    let (freed, _waiting) = self.in_flight.waiting(on);
-                    let mut notified = std::pin::pin!(freed.notified());
-                    notified.as_mut().enable();
-                    match self.take(&mut places) {
-                        Ok(permit) => return Arc::clone(&self).lease(permit).await,
-                        Err(again) => refusal = again,
-                    }
-                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                        break;
-                    }
+        match self.queued(&mut places, &mut refusal).await {
+            Some(permit) => self.lease(permit).await,
+            None => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
+        }
+    }
+
+    /// Waits (if the queue, and the queue of the key that refused, still have room) until
+    /// the places are free, or the queue's longest wait has passed.
+    async fn queued(
+        self: &Arc<Self>,
+        places: &mut Places,
+        refusal: &mut Refusal,
+    ) -> Option<Permit> {
+        let queue = self.queue.as_ref()?;
+        let _in_queue = queue.enter()?;
+        // At most as many wait for a key as it has places: one client cannot fill the queue.
+        let _key_queue = match *refusal {
+            Refusal::Busy { rule } => {
+                let place = places.iter().find(|p| p.rule == rule)?;
+                if !self
+                    .in_flight
+                    .enter_queue(place.hash, &place.key, place.max)
+                {
+                    return None;
                 }
+                Some(KeyQueue {
+                    in_flight: &self.in_flight,
+                    hash: place.hash,
+                    key: place.key.clone(),
+                })
+            }
+            _ => None,
+        };
+        let deadline = tokio::time::Instant::now() + queue.max_wait;
+        loop {
+            let on = match *refusal {
+                Refusal::Busy { rule } => places.iter().find(|p| p.rule == rule).map(|p| p.hash),
+                _ => None,
+            };
+            let (freed, _waiting) = self.in_flight.waiting(on);
+            let mut notified = std::pin::pin!(freed.notified());
+            notified.as_mut().enable();
+            match self.take(places) {
+                Ok(permit) => return Some(permit),
+                Err(again) => *refusal = again,
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return None;
             }
         }
-        Err(Box::new(move |parts: &Parts| self.answer(parts, refusal)))
     }
 
     /// The answer to a refused request.

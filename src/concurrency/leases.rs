@@ -10,6 +10,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use fred::bytes_utils::Str;
+use fred::clients::Client;
 use fred::types::Key as RedisKey;
 use parking_lot::Mutex;
 
@@ -37,7 +38,10 @@ pub(crate) struct Leases {
 struct Live {
     leases: HashMap<u64, (RedisKey, Str)>,
     next: u64,
-    renewing: bool,
+    /// The number of the renewer running (0: none): a renewer that ends clears it only if it
+    /// is still its own.
+    renewer: u64,
+    renewers: u64,
 }
 
 #[derive(Default)]
@@ -109,23 +113,38 @@ impl Leases {
         let placed_by = key.rfind('@').unwrap_or(key.len());
         let redis_key = self.store.lease_key(key, placed_by);
         let id = self.store.new_lease_id();
+        // Should this future be dropped while the script is on its way, or the answer be lost
+        // (a timeout), the lease may be taken all the same: `unsure` gives it back, on the
+        // same connection, so after the acquire.
+        let connection = self.store.connection();
+        let mut unsure = Unsure {
+            leases: self,
+            connection: &connection,
+            lease: Some((redis_key.clone(), id.clone())),
+        };
         let answer = self
             .store
-            .lease(&redis_key, &id, LeaseOp::Acquire { max }, self.lease)
+            .lease(
+                Some(&connection),
+                &redis_key,
+                &id,
+                LeaseOp::Acquire { max },
+                self.lease,
+            )
             .await;
         match answer {
             Ok((true, _)) => {
+                unsure.lease = None;
                 self.counters.granted.fetch_add(1, Ordering::Relaxed);
                 Ok(Some(self.register(redis_key, id)))
             }
             Ok((false, _)) => {
+                unsure.lease = None;
                 self.counters.refused.fetch_add(1, Ordering::Relaxed);
                 Err(Denied::Busy)
             }
             Err(_) => {
                 self.counters.errors.fetch_add(1, Ordering::Relaxed);
-                // A timeout may have taken the lease after all: give it back.
-                self.spawn_release(vec![(redis_key, id)]);
                 match self.on_error {
                     FailurePolicy::Closed => Err(Denied::Unavailable),
                     _ => {
@@ -143,10 +162,15 @@ impl Leases {
         let slot = live.next;
         live.next += 1;
         live.leases.insert(slot, (key.clone(), id.clone()));
-        if !live.renewing {
+        if live.renewer == 0 {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                live.renewing = true;
-                runtime.spawn(renewer(Arc::downgrade(self), self.lease / 3));
+                live.renewers += 1;
+                live.renewer = live.renewers;
+                let stop = RenewerStop {
+                    leases: Arc::downgrade(self),
+                    number: live.renewer,
+                };
+                runtime.spawn(renewer(stop, self.lease / 3));
             }
         }
         Lease { slot, key, id }
@@ -162,10 +186,10 @@ impl Leases {
                 gone.push((lease.key, lease.id));
             }
         }
-        self.spawn_release(gone);
+        self.spawn_release(None, gone);
     }
 
-    fn spawn_release(&self, gone: Vec<(RedisKey, Str)>) {
+    fn spawn_release(&self, connection: Option<Client>, gone: Vec<(RedisKey, Str)>) {
         if gone.is_empty() {
             return;
         }
@@ -173,48 +197,70 @@ impl Leases {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
                 for (key, id) in gone {
-                    let _ = store.lease(&key, &id, LeaseOp::Release, lease).await;
+                    let on = connection.as_ref();
+                    let _ = store.lease(on, &key, &id, LeaseOp::Release, lease).await;
                 }
             });
         }
     }
 
-    /// Renews every live lease of this instance once; `false` when there was none (the
-    /// renewer then stops, and the next lease starts it again).
+    /// Renews every live lease of this instance once, and puts back those that were lost
+    /// while their requests still run; `false` when there was none.
     pub(crate) async fn renew_all(&self) -> bool {
         let snapshot: Vec<(u64, RedisKey, Str)> = {
-            let mut live = self.live.lock();
-            if live.leases.is_empty() {
-                live.renewing = false;
-                return false;
-            }
+            let live = self.live.lock();
             live.leases
                 .iter()
                 .map(|(slot, (key, id))| (*slot, key.clone(), id.clone()))
                 .collect()
         };
+        if snapshot.is_empty() {
+            return false;
+        }
         let renewals = snapshot.iter().map(|(slot, key, id)| async move {
-            (
-                *slot,
-                self.store.lease(key, id, LeaseOp::Renew, self.lease).await,
-            )
-        });
-        for (slot, answer) in futures_util::future::join_all(renewals).await {
-            match answer {
+            let renewed = self
+                .store
+                .lease(None, key, id, LeaseOp::Renew, self.lease)
+                .await;
+            match renewed {
                 Ok((true, _)) => {
                     self.counters.renewed.fetch_add(1, Ordering::Relaxed);
                 }
-                // Gone because its request ended meanwhile: not lost.
-                Ok((false, _)) if self.live.lock().leases.contains_key(&slot) => {
+                // Gone while its request still runs: counted again, lest more than the limit
+                // run uncounted (at worst a lease for one lease time too many, which refuses
+                // too much rather than admitting too much).
+                Ok((false, _)) if self.live.lock().leases.contains_key(slot) => {
                     self.counters.lost.fetch_add(1, Ordering::Relaxed);
+                    let restored = self
+                        .store
+                        .lease(None, key, id, LeaseOp::Restore, self.lease)
+                        .await;
+                    if restored.is_err() {
+                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
+                // Gone because its request ended meanwhile.
                 Ok(_) => {}
                 Err(_) => {
                     self.counters.errors.fetch_add(1, Ordering::Relaxed);
                 }
             }
-        }
+        });
+        futures_util::future::join_all(renewals).await;
         true
+    }
+
+    /// Whether renewer `number` should stop: no lease left (then it is no longer running).
+    fn renewer_done(&self, number: u64) -> bool {
+        let mut live = self.live.lock();
+        if live.renewer != number {
+            return true;
+        }
+        if live.leases.is_empty() {
+            live.renewer = 0;
+            return true;
+        }
+        false
     }
 
     pub(crate) fn stats(&self) -> LeaseStats {
@@ -233,14 +279,50 @@ impl Leases {
 }
 
 /// Renews the live leases every `period` while there are any and the layer exists.
-async fn renewer(leases: Weak<Leases>, period: Duration) {
+async fn renewer(stop: RenewerStop, period: Duration) {
     loop {
         tokio::time::sleep(period).await;
-        let Some(leases) = leases.upgrade() else {
+        let Some(leases) = stop.leases.upgrade() else {
             return;
         };
-        if !leases.renew_all().await {
+        leases.renew_all().await;
+        if leases.renewer_done(stop.number) {
             return;
+        }
+    }
+}
+
+/// Marks renewer `number` as stopped however it ends (its runtime may shut down), so that the
+/// next lease starts another.
+struct RenewerStop {
+    leases: Weak<Leases>,
+    number: u64,
+}
+
+impl Drop for RenewerStop {
+    fn drop(&mut self) {
+        if let Some(leases) = self.leases.upgrade() {
+            let mut live = leases.live.lock();
+            if live.renewer == self.number {
+                live.renewer = 0;
+            }
+        }
+    }
+}
+
+/// A lease whose acquire may or may not have taken effect: given back when dropped, unless
+/// the answer settled it (`lease` taken out).
+struct Unsure<'a> {
+    leases: &'a Leases,
+    connection: &'a Client,
+    lease: Option<(RedisKey, Str)>,
+}
+
+impl Drop for Unsure<'_> {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            self.leases
+                .spawn_release(Some(self.connection.clone()), vec![lease]);
         }
     }
 }

@@ -13,8 +13,16 @@ use crate::key::Key;
 /// Shards of the table: enough that cores rarely meet on one lock.
 const SHARDS: usize = 32;
 
-/// One shard: each key with requests in flight, and how many.
-type Shard = Mutex<HashTable<(Key, u32)>>;
+/// One shard: each key with requests in flight or waiting for a place.
+type Shard = Mutex<HashTable<Entry>>;
+
+/// A key's requests in flight, and those waiting for a place of it (the entry lives while
+/// either is above zero).
+struct Entry {
+    key: Key,
+    count: u32,
+    waiting: u32,
+}
 
 pub(crate) struct InFlight {
     shards: Box<[Shard]>,
@@ -79,30 +87,68 @@ impl InFlight {
     /// already in flight takes its place without allocating.
     pub(crate) fn acquire(&self, hash: u64, key: &Key, max: u32) -> bool {
         let mut table = self.shard(hash).lock();
-        if let Some((_, n)) = table.find_mut(hash, |(k, _)| k == key) {
-            if *n >= max {
+        if let Some(entry) = table.find_mut(hash, |e| e.key == *key) {
+            if entry.count >= max {
                 return false;
             }
-            *n += 1;
+            entry.count += 1;
             return true;
         }
         if max == 0 {
             return false;
         }
-        table.insert_unique(hash, (key.clone(), 1), |(k, _)| {
-            self.hasher.hash_one(k.as_str())
-        });
-        self.entries.fetch_add(1, Ordering::Relaxed);
+        self.insert(&mut table, hash, key, 1, 0);
         true
+    }
+
+    fn insert(&self, table: &mut HashTable<Entry>, hash: u64, key: &Key, count: u32, waiting: u32) {
+        let entry = Entry {
+            key: key.clone(),
+            count,
+            waiting,
+        };
+        table.insert_unique(hash, entry, |e| self.hasher.hash_one(e.key.as_str()));
+        self.entries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request waiting for a place of `key`, if fewer than `max` already wait for
+    /// one; whether it did. Give it back with [`InFlight::leave_queue`].
+    pub(crate) fn enter_queue(&self, hash: u64, key: &Key, max: u32) -> bool {
+        let mut table = self.shard(hash).lock();
+        if let Some(entry) = table.find_mut(hash, |e| e.key == *key) {
+            if entry.waiting >= max {
+                return false;
+            }
+            entry.waiting += 1;
+            return true;
+        }
+        if max == 0 {
+            return false;
+        }
+        self.insert(&mut table, hash, key, 0, 1);
+        true
+    }
+
+    /// A request stopped waiting for a place of `key`.
+    pub(crate) fn leave_queue(&self, hash: u64, key: &Key) {
+        let mut table = self.shard(hash).lock();
+        if let Ok(mut entry) = table.find_entry(hash, |e| e.key == *key) {
+            let e = entry.get_mut();
+            e.waiting = e.waiting.saturating_sub(1);
+            if e.count == 0 && e.waiting == 0 {
+                entry.remove();
+                self.entries.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Gives a place of `key` back; the entry goes when its count reaches zero.
     pub(crate) fn release(&self, hash: u64, key: &Key) {
         let mut table = self.shard(hash).lock();
-        if let Ok(mut entry) = table.find_entry(hash, |(k, _)| k == key) {
-            let n = &mut entry.get_mut().1;
-            *n = n.saturating_sub(1);
-            if *n == 0 {
+        if let Ok(mut entry) = table.find_entry(hash, |e| e.key == *key) {
+            let e = entry.get_mut();
+            e.count = e.count.saturating_sub(1);
+            if e.count == 0 && e.waiting == 0 {
                 entry.remove();
                 self.entries.fetch_sub(1, Ordering::Relaxed);
             }
@@ -119,11 +165,11 @@ impl InFlight {
         let hash = self.hash(key);
         self.shard(hash)
             .lock()
-            .find(hash, |(k, _)| k.as_str() == key)
-            .map_or(0, |(_, n)| *n)
+            .find(hash, |e| e.key.as_str() == key)
+            .map_or(0, |e| e.count)
     }
 
-    /// The keys with requests in flight.
+    /// The keys with requests in flight or waiting.
     pub(crate) fn keys(&self) -> usize {
         self.entries.load(Ordering::Relaxed)
     }
@@ -132,7 +178,7 @@ impl InFlight {
     pub(crate) fn total(&self) -> u64 {
         self.shards
             .iter()
-            .map(|s| s.lock().iter().map(|(_, n)| u64::from(*n)).sum::<u64>())
+            .map(|s| s.lock().iter().map(|e| u64::from(e.count)).sum::<u64>())
             .sum()
     }
 }
@@ -168,6 +214,34 @@ mod tests {
         t.release(h, &key);
         assert_eq!(t.keys(), 0);
         assert!(!t.acquire(h, &key, 0));
+        assert_eq!(t.keys(), 0);
+    }
+
+    #[test]
+    fn waiters_keep_the_entry_and_are_bounded_per_key() {
+        let t = InFlight::new();
+        let key = Key::from("k");
+        let h = t.hash(key.as_str());
+        assert!(t.acquire(h, &key, 1));
+        assert!(t.enter_queue(h, &key, 2));
+        assert!(t.enter_queue(h, &key, 2));
+        assert!(!t.enter_queue(h, &key, 2), "two wait already");
+        t.release(h, &key);
+        assert_eq!((t.count("k"), t.keys()), (0, 1), "kept for its waiters");
+        t.leave_queue(h, &key);
+        assert!(
+            t.acquire(h, &key, 1),
+            "the waiting do not count as in flight"
+        );
+        t.leave_queue(h, &key);
+        t.release(h, &key);
+        assert_eq!((t.count("k"), t.keys(), t.total()), (0, 0, 0));
+        // A key with no entry: the waiter makes one, and it goes with the waiter.
+        assert!(t.enter_queue(h, &key, 1));
+        assert_eq!(t.keys(), 1);
+        t.leave_queue(h, &key);
+        assert_eq!(t.keys(), 0);
+        assert!(!t.enter_queue(h, &key, 0));
         assert_eq!(t.keys(), 0);
     }
 }

@@ -39,6 +39,11 @@ pin_project! {
             request: Option<Request<ReqBody>>,
             inner: Option<S>,
         },
+        Readying {
+            request: Option<Request<ReqBody>>,
+            inner: S,
+            held: Option<Held>,
+        },
         Called { #[pin] future: S::Future, held: Option<Held> },
         Refused { response: Option<Response<ResBody>> },
     }
@@ -65,7 +70,9 @@ where
         }
     }
 
-    /// Waits for `pending` to give the request a place, then calls `inner` (already ready).
+    /// Waits for `pending` to give the request a place, then makes `inner` ready and calls it.
+    /// `inner` is a clone not made ready yet: a waiting request holds no place of a pool,
+    /// buffer or concurrency limit inside.
     pub(crate) fn waiting(pending: Pending, request: Request<ReqBody>, inner: S) -> Self {
         Self {
             state: State::Waiting {
@@ -97,13 +104,13 @@ where
                         return Poll::Ready(Ok(empty()));
                     }
                     let outcome = ready!(pending.as_mut().poll(cx));
-                    let (Some(request), Some(mut inner)) = (request.take(), inner.take()) else {
+                    let (Some(request), Some(inner)) = (request.take(), inner.take()) else {
                         return Poll::Ready(Ok(empty()));
                     };
                     match outcome {
-                        // Should `call` panic, `held` is dropped on the way out: nothing leaks.
-                        Ok(held) => State::Called {
-                            future: inner.call(request),
+                        Ok(held) => State::Readying {
+                            request: Some(request),
+                            inner,
                             held: Some(held),
                         },
                         Err(refuse) => {
@@ -112,6 +119,22 @@ where
                                 response: Some(refuse(&parts).map(ResBody::refusal)),
                             }
                         }
+                    }
+                }
+                StateProj::Readying {
+                    request,
+                    inner,
+                    held,
+                } => {
+                    // An error here drops `held`: the place goes back.
+                    ready!(inner.poll_ready(cx))?;
+                    let (Some(request), Some(held)) = (request.take(), held.take()) else {
+                        return Poll::Ready(Ok(empty()));
+                    };
+                    // Should `call` panic, `held` is dropped on the way out: nothing leaks.
+                    State::Called {
+                        future: inner.call(request),
+                        held: Some(held),
                     }
                 }
                 StateProj::Called { future, held } => {

@@ -79,13 +79,18 @@ where
     let (parts, body) = request.into_parts();
     match admit(&parts) {
         Ok(admitted) => {
-            let clone = inner.clone();
-            let mut ready = std::mem::replace(inner, clone);
             let request = Request::from_parts(parts, body);
             match admitted {
-                // Should `call` panic, `held` is dropped on the way out: nothing leaks.
-                Admitted::Now(held) => ResponseFuture::called(ready.call(request), held),
-                Admitted::Later(pending) => ResponseFuture::waiting(pending, request, ready),
+                Admitted::Now(held) => {
+                    let clone = inner.clone();
+                    let mut ready = std::mem::replace(inner, clone);
+                    // Should `call` panic, `held` is dropped on the way out: nothing leaks.
+                    ResponseFuture::called(ready.call(request), held)
+                }
+                // `inner` stays ready for the next call; the waiter makes its own clone ready.
+                Admitted::Later(pending) => {
+                    ResponseFuture::waiting(pending, request, inner.clone())
+                }
             }
         }
         Err(refusal) => ResponseFuture::refused(answer(&parts, refusal).map(ResBody::refusal)),

@@ -280,6 +280,15 @@ impl Matcher {
         Ok(Some(hashed))
     }
 
+    /// The key the rule's extractor finds, before `@rule` and never hashed: what a tier
+    /// resolver is asked about.
+    pub(crate) fn raw_key(&self, parts: &Parts) -> Option<Box<str>> {
+        let mut key = Key::new();
+        self.key
+            .extract_into(parts, &mut key)
+            .then(|| key.as_str().into())
+    }
+
     /// What the request costs.
     pub(crate) fn cost(&self, parts: &Parts) -> u64 {
         self.cost.of(parts)

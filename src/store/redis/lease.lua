@@ -6,7 +6,10 @@
 -- KEYS[1]  the set
 -- ARGV     sec, nsec (injected time, or '' for Redis TIME), slack_ms, op, id, max, lease_ms
 --   op = 'acquire': a lease if fewer than `max` are live; answers {admitted (0/1), live}
---   op = 'renew':   moves the lease's deadline; answers {1 if it was still live, live}
+--   op = 'renew':   moves a live lease's deadline; answers {1 if it was still live, live}
+--   op = 'restore': puts a lease back (or moves it): its request still runs, though the lease
+--                   was lost (renewals failed for a lease time, Redis lost data); answers
+--                   {1 if it was still live, live}
 --   op = 'release': removes the lease;          answers {1 if it was there, live}
 
 local key, op, id = KEYS[1], ARGV[4], ARGV[5]
@@ -23,10 +26,13 @@ local live = redis.call('ZCARD', key)
 local deadline = now + lease
 
 local ok = 0
-if op == 'renew' then
+if op == 'renew' or op == 'restore' then
   if redis.call('ZSCORE', key, id) then
     redis.call('ZADD', key, int(deadline), id)
     ok = 1
+  elseif op == 'restore' then
+    redis.call('ZADD', key, int(deadline), id)
+    live = live + 1
   end
 elseif live < max_live then
   redis.call('ZADD', key, int(deadline), id)

@@ -154,7 +154,7 @@ use std::time::Duration;
 
 use fred::bytes::Bytes;
 use fred::bytes_utils::Str;
-use fred::clients::Pool;
+use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::config::{Config, ReconnectPolicy, ServerConfig};
@@ -480,6 +480,8 @@ pub(crate) enum LeaseOp {
     Acquire { max: u32 },
     /// Move a live lease's deadline.
     Renew,
+    /// Put a lost lease back (its request still runs).
+    Restore,
     /// Give the lease back.
     Release,
 }
@@ -502,10 +504,23 @@ impl RedisStore {
         ))
     }
 
-    /// Runs `op` on lease `id` of the leases at `key`, each lasting `lease` from now: whether
-    /// it did (took, renewed, released), and how many leases are live.
+    /// One of the pooled connections: calls made on it run in the order they were made (an
+    /// acquire, then the release that undoes it).
+    pub(crate) fn connection(&self) -> Client {
+        self.inner.pool.next().clone()
+    }
+
+    /// The per-call timeout.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    /// Runs `op` on lease `id` of the leases at `key`, each lasting `lease` from now, on
+    /// `connection` (or any): whether it did (took, renewed, released), and how many leases
+    /// are live.
     pub(crate) async fn lease(
         &self,
+        connection: Option<&Client>,
         key: &Key,
         id: &Str,
         op: LeaseOp,
@@ -515,6 +530,7 @@ impl RedisStore {
         let (name, max) = match op {
             LeaseOp::Acquire { max } => ("acquire", max),
             LeaseOp::Renew => ("renew", 0),
+            LeaseOp::Restore => ("restore", 0),
             LeaseOp::Release => ("release", 0),
         };
         let lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1);
@@ -527,9 +543,11 @@ impl RedisStore {
             args.push(Value::from(lease_ms.to_string()));
             (vec![key.clone()], args)
         };
-        let out = eval::<Vec<i64>>(&inner.pool, &inner.scripts.lease, build)
-            .await
-            .map_err(|e| backend_error(&e, inner.timeout))?;
+        let out = match connection {
+            Some(client) => eval::<Vec<i64>, _>(client, &inner.scripts.lease, build).await,
+            None => eval::<Vec<i64>, _>(&inner.pool, &inner.scripts.lease, build).await,
+        }
+        .map_err(|e| backend_error(&e, inner.timeout))?;
         match out[..] {
             [ok, live] => Ok((ok == 1, u64::try_from(live).unwrap_or(0))),
             _ => Err(StoreError::Backend(Box::new(RedisError {
@@ -879,7 +897,7 @@ impl Inner {
                         let (pool, lua) = (self.pool.clone(), self.scripts.refund.clone());
                         tokio::spawn(async move {
                             let build = || (keys.clone(), args.clone());
-                            let _ = eval::<Value>(&pool, &lua, build).await;
+                            let _ = eval::<Value, _>(&pool, &lua, build).await;
                         });
                     }
                 }
@@ -888,7 +906,7 @@ impl Inner {
             // Take back what the slots that admitted consumed.
             let refunds = groups.iter().zip(&results).filter_map(|(g, r)| match r {
                 Ok(a) if a.admitted => {
-                    Some(eval::<Value>(&self.pool, &self.scripts.refund, || {
+                    Some(eval::<Value, _>(&self.pool, &self.scripts.refund, || {
                         self.refund_args(call, g, a, "refund")
                     }))
                 }
@@ -929,7 +947,7 @@ impl Inner {
             }
             (keys, args)
         };
-        let out = eval::<Vec<i64>>(&self.pool, self.scripts.check(&group.items), build)
+        let out = eval::<Vec<i64>, _>(&self.pool, self.scripts.check(&group.items), build)
             .await
             .map_err(|e| backend_error(&e, self.timeout))?;
         if out.len() != 1 + 6 * group.items.len() {
@@ -991,8 +1009,8 @@ fn static_str(s: &'static str) -> Value {
 /// EVALSHA, and EVAL of the whole script if the server has lost it (restart, SCRIPT FLUSH, a
 /// new Cluster node): EVAL caches it again.
 /// `build` makes the keys and arguments (twice after a NOSCRIPT).
-async fn eval<R: fred::types::FromValue>(
-    pool: &Pool,
+async fn eval<R: fred::types::FromValue, C: LuaInterface + Sync>(
+    pool: &C,
     lua: &Lua,
     build: impl Fn() -> (Vec<Key>, Vec<Value>),
 ) -> Result<R, FredError> {
