@@ -17,6 +17,8 @@ use crate::answer::RefusalBody;
 
 /// A place an admitted request holds until its response body ends; dropping it gives the place
 /// back.
+// Boxing the permit would allocate on every request; it lives in the response body.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Held {
     /// Held for what its `Drop` gives back.
     Concurrency(#[allow(dead_code)] crate::concurrency::Permit),
