@@ -62,8 +62,10 @@
 //! ```
 
 mod classify;
+mod deadline;
 mod layer;
 mod limit;
+mod queue;
 mod service;
 
 pub use crate::inflight::{PermitBody, ResponseFuture};
@@ -74,4 +76,5 @@ pub use layer::{
     LoadShedLayerBuilder, ShedError, ShedStats,
 };
 pub use limit::Limit;
+pub use queue::{DEFAULT_CODEL_INTERVAL, DEFAULT_CODEL_TARGET, Discipline};
 pub use service::LoadShed;
