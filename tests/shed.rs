@@ -1270,3 +1270,70 @@ async fn a_queue_keeps_goodput_and_bounds_latency_under_150_percent_overload() {
     assert!(waited <= max_wait, "{waited:?}");
     assert!(latency <= max_wait + in_service, "{latency:?}");
 }
+
+/// One request holds the place while another, on another thread, arrives and finds none;
+/// then the place is given back and nobody else comes. However the two meet (the place given
+/// back just before the other joins the queue, as it joins, or after), the other gets the
+/// place at once: never after its longest wait (five seconds, then shed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_place_is_lost_between_threads() {
+    let shed = LoadShedLayer::builder(Limit::fixed(1))
+        .queue(4, Duration::from_secs(5))
+        .codel(Duration::from_secs(5), Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    for round in 0..20_000u32 {
+        let held = service.clone().oneshot(get()).await.unwrap();
+        assert_eq!(held.status(), StatusCode::OK);
+        let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let other = tokio::spawn({
+            let (service, started) = (service.clone(), started.clone());
+            async move {
+                started.store(true, Ordering::SeqCst);
+                service.oneshot(get()).await
+            }
+        });
+        // Give the place back at a moment that moves across the other's arrival.
+        while !started.load(Ordering::SeqCst) {
+            std::hint::spin_loop();
+        }
+        for _ in 0..round % 512 {
+            std::hint::spin_loop();
+        }
+        drop(held);
+        let answer = other.await.unwrap().unwrap();
+        assert_eq!(answer.status(), StatusCode::OK, "round {round}");
+    }
+    assert_eq!((shed.in_flight(), shed.queued()), (0, 0));
+}
+
+/// Shares need not grow with the class: a class with the widest share is served from the
+/// queue up to it, whichever class that is.
+#[tokio::test(start_paused = true)]
+async fn the_widest_share_need_not_be_critical_plus() {
+    let shed = queued(10, 4, Duration::from_secs(1))
+        .classify(ByHeader::from_static("x-criticality"))
+        .share(Criticality::Sheddable, 1.0)
+        .share(Criticality::CriticalPlus, 0.5)
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let mut held = Vec::new();
+    for _ in 0..10 {
+        held.push(
+            service
+                .clone()
+                .oneshot(with("x-criticality", "sheddable"))
+                .await
+                .unwrap(),
+        );
+    }
+    let waiter = spawn_timed(service.clone(), with("x-criticality", "sheddable"));
+    settle().await;
+    assert_eq!(shed.queued(), 1);
+    held.pop();
+    let (answer, _) = waiter.await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    assert_eq!((shed.in_flight(), shed.queued()), (10, 0));
+}

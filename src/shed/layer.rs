@@ -341,6 +341,10 @@ impl LoadShedLayerBuilder {
                 controller: Mutex::new(controller),
                 in_flight: AtomicU32::new(0),
                 shares: self.shares,
+                widest: Criticality::ALL
+                    .into_iter()
+                    .max_by_key(|c| self.shares[c.index()])
+                    .unwrap_or(Criticality::CriticalPlus),
                 classifier: self.classifier,
                 utilization: self.utilization,
                 fair: self.fair.map(|key| Fair {
@@ -461,6 +465,8 @@ pub(crate) struct Shared {
     pub(super) in_flight: AtomicU32,
     /// Each class's share of capacity, in thousandths.
     shares: [u16; 4],
+    /// The class with the largest share.
+    pub(super) widest: Criticality,
     classifier: Box<dyn Classifier>,
     utilization: Option<Box<dyn Fn() -> f64 + Send + Sync>>,
     pub(super) fair: Option<Fair>,

@@ -334,6 +334,9 @@ impl Shared {
                 outcome: sender,
             },
         );
+        // A place given back since `take` found none (by a request that saw nobody waiting)
+        // would be lost to it: serve the queue, now that it is in.
+        self.serve(queue, &mut state, now);
         self.look(queue, &mut state, now);
         drop(state);
         let ticket = Ticket {
@@ -385,7 +388,7 @@ impl Shared {
         while !state.waiters.is_empty() {
             let limit = u64::from(self.limit.load(Ordering::Relaxed));
             let in_flight = self.in_flight.load(Ordering::SeqCst);
-            if in_flight >= self.threshold(Criticality::CriticalPlus, limit) {
+            if in_flight >= self.threshold(self.widest, limit) {
                 return;
             }
             let fits = |w: &Waiter| {
