@@ -1,6 +1,7 @@
 //! Load shedding against a simulated service (a pool of workers, each request holding one for
 //! its service time) under paused tokio time: goodput under overload, priorities, a noisy
-//! neighbour, and the adaptive limit's convergence. No real sleeps.
+//! neighbour, the adaptive limit's convergence, and the queue (hand-off, disciplines, CoDel,
+//! declared deadlines, cancellation). No real sleeps.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -14,7 +15,7 @@ use tokio::sync::Semaphore;
 use tollgate::LoadShedLayer;
 use tollgate::clock::TokioClock;
 use tollgate::key::Header;
-use tollgate::shed::{ByHeader, Criticality, Limit, ShedError};
+use tollgate::shed::{ByHeader, Criticality, Discipline, Limit, ShedError};
 use tower::{Layer, ServiceExt};
 
 /// The simulated service: `workers` requests served at once, each for the current service
@@ -47,14 +48,22 @@ impl Backend {
         tower::service_fn(move |_: Request<String>| {
             let backend = backend.clone();
             async move {
+                let start = tokio::time::Instant::now();
                 let _worker = backend.workers.acquire().await.unwrap();
                 let ms = backend.service_ms.load(Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(ms)).await;
-                Ok(Response::new(String::from("ok")))
+                let mut response = Response::new(String::from("ok"));
+                // Its time in the service (its queue included), for the latency tests.
+                response.extensions_mut().insert(InService(start.elapsed()));
+                Ok(response)
             }
         })
     }
 }
+
+/// How long a request spent in the simulated service, its own queue included.
+#[derive(Clone, Copy, Debug)]
+struct InService(Duration);
 
 /// One kind of client: its requests' headers, how many it sends per second, from when, and
 /// the phase of its arrivals within a second (so that loads do not all arrive on the same
@@ -98,6 +107,19 @@ async fn drive(
     seconds: u64,
     patience: Duration,
 ) -> HashMap<&'static str, (u64, u64)> {
+    drive_timed(shed, backend, loads, seconds, patience).await.0
+}
+
+/// As [`drive`], and the latency of every request answered `200` in time, with its time in the
+/// service.
+async fn drive_timed(
+    shed: Option<&LoadShedLayer>,
+    backend: &Backend,
+    loads: &[Load],
+    seconds: u64,
+    patience: Duration,
+) -> (HashMap<&'static str, (u64, u64)>, Vec<(Duration, Duration)>) {
+    let latencies = Arc::new(std::sync::Mutex::new(Vec::new()));
     let served: Arc<Vec<AtomicU64>> = Arc::new(loads.iter().map(|_| AtomicU64::new(0)).collect());
     let mut tasks = Vec::new();
     let mut sent = vec![0u64; loads.len()];
@@ -115,23 +137,34 @@ async fn drive(
                     request.headers_mut().insert(*k, v.parse().unwrap());
                 }
                 let served = served.clone();
+                let latencies = latencies.clone();
                 let service = backend.service();
                 let shed = shed.cloned();
                 tasks.push(tokio::spawn(async move {
+                    let start = tokio::time::Instant::now();
                     let answered = async move {
-                        let status = match shed {
+                        let (status, in_service) = match shed {
                             Some(shed) => {
                                 let response = shed.layer(service).oneshot(request).await.unwrap();
                                 let status = response.status();
+                                let in_service = response.extensions().get::<InService>().copied();
                                 let _ = response.into_body().collect().await;
-                                status
+                                (status, in_service)
                             }
-                            None => service.oneshot(request).await.unwrap().status(),
+                            None => {
+                                let response = service.oneshot(request).await.unwrap();
+                                (response.status(), response.extensions().get().copied())
+                            }
                         };
-                        status == StatusCode::OK
+                        (status == StatusCode::OK).then_some(in_service)
                     };
-                    if let Ok(true) = tokio::time::timeout(patience, answered).await {
+                    if let Ok(Some(in_service)) = tokio::time::timeout(patience, answered).await {
                         served[i].fetch_add(1, Ordering::Relaxed);
+                        let in_service = in_service.map_or(Duration::ZERO, |s| s.0);
+                        latencies
+                            .lock()
+                            .unwrap()
+                            .push((start.elapsed(), in_service));
                     }
                 }));
             }
@@ -141,11 +174,13 @@ async fn drive(
     for task in tasks {
         task.await.unwrap();
     }
-    loads
+    let served = loads
         .iter()
         .enumerate()
         .map(|(i, l)| (l.name, (served[i].load(Ordering::Relaxed), sent[i])))
-        .collect()
+        .collect();
+    let latencies = std::mem::take(&mut *latencies.lock().unwrap());
+    (served, latencies)
 }
 
 /// 150 % of capacity (a service of 100 workers at 100 ms: 1,000 requests/s) from clients
@@ -484,4 +519,821 @@ async fn a_lone_tenant_gets_its_whole_share() {
     // Critical traffic is shed from 90 % of the limit, not from the half a second tenant
     // would leave it.
     assert_eq!(held.len(), 90);
+}
+
+// The queue.
+
+type Shed = tollgate::shed::LoadShed<
+    tower::util::ServiceFn<
+        fn(Request<String>) -> std::future::Ready<Result<Response<String>, Infallible>>,
+    >,
+>;
+
+/// A service that answers at once; its answer's body holds the request's place until dropped.
+fn instant(shed: &LoadShedLayer) -> Shed {
+    fn answer(_: Request<String>) -> std::future::Ready<Result<Response<String>, Infallible>> {
+        std::future::ready(Ok(Response::new(String::new())))
+    }
+    shed.layer(tower::service_fn(answer as fn(_) -> _))
+}
+
+fn get() -> Request<String> {
+    Request::get("/").body(String::new()).unwrap()
+}
+
+fn with(name: &'static str, value: &str) -> Request<String> {
+    let mut request = get();
+    request.headers_mut().insert(
+        name,
+        http::HeaderValue::from_bytes(value.as_bytes()).unwrap(),
+    );
+    request
+}
+
+/// Sends `request` on a task of its own: its answer and how long it took, once it comes.
+fn spawn_timed<S>(
+    service: S,
+    request: Request<String>,
+) -> tokio::task::JoinHandle<(S::Response, Duration)>
+where
+    S: tower::Service<Request<String>, Error = Infallible> + Send + 'static,
+    S::Future: Send,
+    S::Response: Send,
+{
+    tokio::spawn(async move {
+        let start = tokio::time::Instant::now();
+        let answer = service.oneshot(request).await.unwrap();
+        (answer, start.elapsed())
+    })
+}
+
+/// Lets the spawned tasks run until they wait, no time passing.
+async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+fn queued(
+    limit: u32,
+    max_queued: usize,
+    max_wait: Duration,
+) -> tollgate::shed::LoadShedLayerBuilder {
+    LoadShedLayer::builder(Limit::fixed(limit))
+        .queue(max_queued, max_wait)
+        .clock(TokioClock::new())
+}
+
+/// A request the limit would shed waits; a place given back goes to it (not to a newcomer
+/// that arrives later), and it is admitted after exactly the time it waited.
+#[tokio::test(start_paused = true)]
+async fn a_waiter_gets_the_place_given_back_after_exactly_its_wait() {
+    let shed = queued(1, 4, Duration::from_secs(1)).build().unwrap();
+    let service = instant(&shed);
+    let first = service.clone().oneshot(get()).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let waiter = spawn_timed(service.clone(), get());
+    settle().await;
+    assert_eq!((shed.in_flight(), shed.queued()), (1, 1));
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    // A newcomer finds the waiter there: it waits behind it.
+    let newcomer = spawn_timed(service.clone(), get());
+    settle().await;
+    assert_eq!((shed.in_flight(), shed.queued()), (1, 2));
+    drop(first);
+    let (admitted, waited) = waiter.await.unwrap();
+    assert_eq!(admitted.status(), StatusCode::OK);
+    assert_eq!(waited, Duration::from_millis(30));
+    assert_eq!((shed.in_flight(), shed.queued()), (1, 1));
+    assert!(admitted.body().holds_permit());
+    drop(admitted);
+    let (next, waited) = newcomer.await.unwrap();
+    assert_eq!((next.status(), waited), (StatusCode::OK, Duration::ZERO));
+    drop(next);
+    assert_eq!((shed.in_flight(), shed.queued()), (0, 0));
+    let stats = shed.stats();
+    assert_eq!(stats.admitted(Criticality::Critical), 3);
+    assert_eq!(stats.shed(Criticality::Critical), 0);
+    // Nobody waits: a request is admitted at once again.
+    let again = service.clone().oneshot(get()).await.unwrap();
+    assert_eq!(again.status(), StatusCode::OK);
+    assert_eq!(shed.queued(), 0);
+}
+
+/// With the queue full a request is shed at once; a waiter is shed at exactly its longest
+/// wait, with the shedder's usual answer.
+#[tokio::test(start_paused = true)]
+async fn the_queue_is_bounded_in_length_and_in_time() {
+    let shed = queued(1, 2, Duration::from_millis(100)).build().unwrap();
+    let service = instant(&shed);
+    let _first = service.clone().oneshot(get()).await.unwrap();
+    let waiters = [
+        spawn_timed(service.clone(), get()),
+        spawn_timed(service.clone(), get()),
+    ];
+    settle().await;
+    assert_eq!(shed.queued(), 2);
+    let start = tokio::time::Instant::now();
+    let full = service.clone().oneshot(get()).await.unwrap();
+    assert_eq!(full.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(start.elapsed(), Duration::ZERO, "shed at once");
+    assert_eq!(shed.stats().timed_out(Criticality::Critical), 0);
+    for waiter in waiters {
+        let (answer, waited) = waiter.await.unwrap();
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(waited, Duration::from_millis(100));
+        assert!(answer.headers().contains_key("retry-after"));
+        assert_eq!(answer.headers()["cache-control"], "no-store");
+        assert!(!answer.body().holds_permit());
+    }
+    let stats = shed.stats();
+    assert_eq!(stats.timed_out(Criticality::Critical), 2);
+    assert_eq!(stats.shed(Criticality::Critical), 3);
+    assert_eq!((shed.in_flight(), shed.queued()), (1, 0));
+    assert!(
+        !shed.standing(),
+        "a lone wait of 100 ms is no standing queue"
+    );
+}
+
+/// The order in which waiters that arrived 1 ms apart (`a` first) get the places given back,
+/// with a queue of `max_queued`.
+async fn order(discipline: Discipline, max_queued: usize) -> Vec<&'static str> {
+    let shed = queued(1, max_queued, Duration::from_secs(1))
+        .discipline(discipline)
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let mut holder = service.clone().oneshot(get()).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for name in ["a", "b", "c"] {
+        let (service, tx) = (service.clone(), tx.clone());
+        tokio::spawn(async move {
+            let answer = service.oneshot(get()).await.unwrap();
+            tx.send((name, answer)).unwrap();
+        });
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(shed.queued(), 3);
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        drop(holder);
+        let (name, answer) = rx.recv().await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        order.push(name);
+        holder = answer;
+    }
+    order
+}
+
+#[tokio::test(start_paused = true)]
+async fn fifo_serves_the_oldest_first_and_lifo_the_newest() {
+    assert_eq!(order(Discipline::Fifo, 4).await, ["a", "b", "c"]);
+    assert_eq!(order(Discipline::Lifo, 10).await, ["c", "b", "a"]);
+    // Adaptive: oldest first while the queue is healthy and at most half full...
+    assert_eq!(order(Discipline::AdaptiveLifo, 6).await, ["a", "b", "c"]);
+    assert_eq!(order(Discipline::default(), 6).await, ["a", "b", "c"]);
+    // ... newest first while it is more than half full: three of four, then two of four is
+    // half, no more.
+    assert_eq!(order(Discipline::AdaptiveLifo, 4).await, ["c", "a", "b"]);
+    assert_eq!(order(Discipline::AdaptiveLifo, 5).await, ["c", "a", "b"]);
+    assert_eq!(order(Discipline::Fifo, 3).await, ["a", "b", "c"]);
+}
+
+/// Adaptive LIFO serves the newest first while CoDel says the queue stands, and the oldest
+/// first again once it is healthy.
+#[tokio::test(start_paused = true)]
+async fn adaptive_lifo_follows_the_standing_queue() {
+    let ms = Duration::from_millis;
+    let shed = queued(1, 100, Duration::from_secs(1))
+        .codel(ms(20), ms(100))
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let holder = service.clone().oneshot(get()).await.unwrap();
+    // One waiter from 0 and one from 100 ms: through [100, 200) the queue's delay is 100 ms or
+    // more, so at 200 it stands and both (older than the target) are shed there and then.
+    let early = spawn_timed(service.clone(), get());
+    tokio::time::sleep(ms(100)).await;
+    let later = spawn_timed(service.clone(), get());
+    tokio::time::sleep(ms(100)).await;
+    assert!(!shed.standing());
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let send = |name: &'static str| {
+        let (service, tx) = (service.clone(), tx.clone());
+        tokio::spawn(async move {
+            let answer = service.oneshot(get()).await.unwrap();
+            tx.send((name, answer)).unwrap();
+        });
+    };
+    send("x");
+    settle().await;
+    assert!(shed.standing());
+    for (waiter, waited) in [(early, ms(200)), (later, ms(100))] {
+        let answer = waiter.await.unwrap();
+        assert_eq!(answer.0.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(answer.1, waited);
+    }
+    assert_eq!(shed.stats().timed_out(Criticality::Critical), 2);
+    for name in ["a", "b", "c"] {
+        tokio::time::sleep(ms(1)).await;
+        send(name);
+    }
+    tokio::time::sleep(ms(2)).await;
+    assert_eq!(shed.queued(), 4);
+    // Standing: newest first.
+    let mut holder = holder;
+    let mut served = Vec::new();
+    for _ in 0..4 {
+        drop(holder);
+        let (name, answer) = rx.recv().await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        served.push(name);
+        holder = answer;
+    }
+    assert_eq!(served, ["c", "b", "a", "x"]);
+    // The queue emptied in [200, 300): healthy from 300, oldest first.
+    tokio::time::sleep(ms(95)).await;
+    for name in ["d", "e", "f"] {
+        send(name);
+        tokio::time::sleep(ms(1)).await;
+    }
+    assert!(!shed.standing());
+    let mut served = Vec::new();
+    for _ in 0..3 {
+        drop(holder);
+        let (name, answer) = rx.recv().await.unwrap();
+        served.push(name);
+        holder = answer;
+    }
+    assert_eq!(served, ["d", "e", "f"]);
+    drop(holder);
+    assert_eq!((shed.in_flight(), shed.queued()), (0, 0));
+}
+
+/// A request a millisecond from 0 to 300 ms while the one place stays taken. Through
+/// [100, 200) the oldest waiter has waited 100 ms or more: at 200 the queue stands, those that
+/// waited the 5 ms target are shed there and then, and every later waiter at exactly 5 ms
+/// (not the longest wait of a second). Once the place is given back the queue drains and,
+/// an interval later, is healthy: a waiter may wait past the target again.
+#[tokio::test(start_paused = true)]
+async fn codel_cuts_waits_to_the_target_while_the_queue_stands() {
+    let ms = Duration::from_millis;
+    let shed = queued(1, 1_000, Duration::from_secs(1))
+        .discipline(Discipline::Fifo)
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let holder = service.clone().oneshot(get()).await.unwrap();
+    let mut waiters = Vec::new();
+    for at in 0..300u64 {
+        waiters.push((at, spawn_timed(service.clone(), get())));
+        tokio::time::sleep(ms(1)).await;
+        // It stands from 200 ms on, not before.
+        assert_eq!(shed.standing(), at >= 200, "at {at} ms");
+    }
+    drop(holder);
+    let mut timed_out = 0;
+    for (at, waiter) in waiters {
+        let (answer, waited) = waiter.await.unwrap();
+        let (status, expected) = match at {
+            // Shed as the queue turned standing at 200.
+            0..=195 => (StatusCode::SERVICE_UNAVAILABLE, ms(200 - at)),
+            // Shed at the target.
+            196..=294 => (StatusCode::SERVICE_UNAVAILABLE, ms(5)),
+            // Served when the place came back at 300 (FIFO: 295 first).
+            _ => (StatusCode::OK, ms(300 - at)),
+        };
+        assert_eq!(
+            (answer.status(), waited),
+            (status, expected),
+            "from {at} ms"
+        );
+        timed_out += u64::from(status != StatusCode::OK);
+    }
+    assert_eq!(shed.stats().timed_out(Criticality::Critical), timed_out);
+    assert_eq!((shed.in_flight(), shed.queued()), (0, 0));
+    // The interval under way saw the queue drain: healthy at 400, waits are long again.
+    tokio::time::sleep(ms(100)).await;
+    let holder = service.clone().oneshot(get()).await.unwrap();
+    let waiter = spawn_timed(service.clone(), get());
+    tokio::time::sleep(ms(50)).await;
+    assert!(!shed.standing());
+    drop(holder);
+    let (answer, waited) = waiter.await.unwrap();
+    assert_eq!((answer.status(), waited), (StatusCode::OK, ms(50)));
+}
+
+/// A client's declared timeout bounds its wait: `grpc-timeout` or plain milliseconds; less
+/// the time the service takes to answer; shed at once when that leaves no time. Values in
+/// neither form are ignored (the request waits the longest wait), never a panic.
+#[tokio::test(start_paused = true)]
+async fn a_declared_deadline_bounds_the_wait() {
+    let ms = Duration::from_millis;
+    let layer = || {
+        queued(1, 64, ms(200))
+            .codel(Duration::from_secs(1), ms(100))
+            .deadline_header(http::HeaderName::from_static("grpc-timeout"))
+            .build()
+            .unwrap()
+    };
+    let shed = layer();
+    let service = instant(&shed);
+    let _holder = service.clone().oneshot(get()).await.unwrap();
+    let cases: Vec<(&str, Duration)> = vec![
+        ("50m", ms(50)),
+        ("50", ms(50)),
+        (" 50m ", ms(50)),
+        ("50000u", ms(50)),
+        ("1S", ms(200)),
+        ("99999999H", ms(200)),
+        // Ignored: the longest wait.
+        ("99999999999999999999m", ms(200)),
+        ("123456789", ms(200)),
+        ("-50m", ms(200)),
+        ("-50", ms(200)),
+        ("50s", ms(200)),
+        ("50ms", ms(200)),
+        ("50x", ms(200)),
+        ("5 0m", ms(200)),
+        ("0.05S", ms(200)),
+        ("", ms(200)),
+        ("m", ms(200)),
+        ("５０m", ms(200)),
+        ("50\u{b5}", ms(200)),
+    ];
+    let waiters: Vec<_> = cases
+        .iter()
+        .map(|(value, _)| spawn_timed(service.clone(), with("grpc-timeout", value)))
+        .collect();
+    let mut non_utf8 = get();
+    non_utf8.headers_mut().insert(
+        "grpc-timeout",
+        http::HeaderValue::from_bytes(b"5\xff0m").unwrap(),
+    );
+    let non_utf8 = spawn_timed(service.clone(), non_utf8);
+    let undeclared = spawn_timed(service.clone(), get());
+    for ((value, expected), waiter) in cases.iter().zip(waiters) {
+        let (answer, waited) = waiter.await.unwrap();
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(waited, *expected, "{value:?}");
+    }
+    assert_eq!(non_utf8.await.unwrap().1, ms(200));
+    assert_eq!(undeclared.await.unwrap().1, ms(200));
+    assert_eq!(
+        shed.stats().timed_out(Criticality::Critical),
+        cases.len() as u64 + 2
+    );
+
+    // A service that takes 20 ms to answer: a request that declares 50 ms may wait 30; one
+    // that declares 20 ms or less cannot wait at all (it is shed at once when it finds no
+    // room), but is served when it finds room.
+    let shed = layer();
+    let slow = shed.layer(tower::service_fn(|_: Request<String>| async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let short = slow
+        .clone()
+        .oneshot(with("grpc-timeout", "5m"))
+        .await
+        .unwrap();
+    assert_eq!(short.status(), StatusCode::OK, "room: admitted");
+    let cases = [
+        ("50m", ms(30)),
+        ("21m", ms(1)),
+        ("20m", ms(0)),
+        ("15m", ms(0)),
+    ];
+    let waiters: Vec<_> = cases
+        .iter()
+        .map(|(value, _)| spawn_timed(slow.clone(), with("grpc-timeout", value)))
+        .collect();
+    for ((value, expected), waiter) in cases.iter().zip(waiters) {
+        let (answer, waited) = waiter.await.unwrap();
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(waited, *expected, "{value:?}");
+    }
+    assert_eq!(shed.stats().timed_out(Criticality::Critical), 2);
+    assert_eq!(shed.stats().shed(Criticality::Critical), 4);
+}
+
+/// A place given back goes to a waiter whose class may use it: a critical waiter gets it
+/// before an older sheddable one, whose class has no room below 70 %.
+#[tokio::test(start_paused = true)]
+async fn a_place_goes_to_a_waiter_whose_class_may_use_it() {
+    let shed = queued(10, 8, Duration::from_secs(1))
+        .classify(ByHeader::from_static("x-criticality"))
+        .discipline(Discipline::Fifo)
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let class = |c: &str| with("x-criticality", c);
+    let mut held = Vec::new();
+    for _ in 0..9 {
+        held.push(service.clone().oneshot(class("critical")).await.unwrap());
+    }
+    assert!(held.iter().all(|r| r.status() == StatusCode::OK));
+    let sheddable = spawn_timed(service.clone(), class("sheddable"));
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let critical = spawn_timed(service.clone(), class("critical"));
+    settle().await;
+    assert_eq!(shed.queued(), 2);
+    // Critical-plus has room up to 10: it passes both.
+    let plus = service
+        .clone()
+        .oneshot(class("critical_plus"))
+        .await
+        .unwrap();
+    assert_eq!(plus.status(), StatusCode::OK);
+    assert_eq!(shed.queued(), 2);
+    drop(plus);
+    // 9 in flight: no room for critical (from 90 %) nor sheddable; the place goes back.
+    settle().await;
+    assert_eq!((shed.in_flight(), shed.queued()), (9, 2));
+    held.pop();
+    let (answer, waited) = critical.await.unwrap();
+    assert_eq!((answer.status(), waited), (StatusCode::OK, Duration::ZERO));
+    assert_eq!((shed.in_flight(), shed.queued()), (9, 1));
+    // Down to 6 in flight: the sheddable one's turn.
+    held.truncate(5);
+    let (answer, _) = sheddable.await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    assert_eq!((shed.in_flight(), shed.queued()), (7, 0));
+}
+
+/// With fairness, near capacity a tenant may hold its fair share in flight and waiting, no
+/// more: a noisy tenant cannot fill the queue that the others need.
+#[tokio::test(start_paused = true)]
+async fn a_tenant_at_its_fair_share_does_not_fill_the_queue() {
+    let shed = LoadShedLayer::builder(Limit::fixed(4))
+        .classify(|_: &http::request::Parts| Criticality::CriticalPlus)
+        .fair_by(Header::from_static("x-tenant"))
+        .queue(8, Duration::from_secs(1))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let tenant = |t: &str| with("x-tenant", t);
+    // Noisy holds 3 of 4 (alone at first: its share is the whole limit).
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(service.clone().oneshot(tenant("noisy")).await.unwrap());
+    }
+    let quiet = service.clone().oneshot(tenant("quiet")).await.unwrap();
+    assert_eq!(quiet.status(), StatusCode::OK);
+    // Full. Two tenants in flight: a share of 2 each. Noisy has 3: it may not wait.
+    let noisy = service.clone().oneshot(tenant("noisy")).await.unwrap();
+    assert_eq!(noisy.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(shed.queued(), 0);
+    // Quiet has 1: one more may wait, not two.
+    let waiting = spawn_timed(service.clone(), tenant("quiet"));
+    settle().await;
+    assert_eq!(shed.queued(), 1);
+    let second = service.clone().oneshot(tenant("quiet")).await.unwrap();
+    assert_eq!(second.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(shed.queued(), 1);
+    // A noisy place given back goes to the quiet waiter.
+    held.pop();
+    let (answer, _) = waiting.await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    assert_eq!((shed.in_flight(), shed.queued()), (4, 0));
+}
+
+#[test]
+fn bad_queue_settings_are_refused() {
+    let b = || LoadShedLayer::builder(Limit::fixed(10));
+    let ms = Duration::from_millis;
+    assert_eq!(
+        b().queue(0, ms(10)).build().unwrap_err(),
+        ShedError::InvalidQueue {
+            max_queued: 0,
+            max_wait: ms(10)
+        }
+    );
+    assert!(matches!(
+        b().queue(10, Duration::ZERO).build().unwrap_err(),
+        ShedError::InvalidQueue { max_queued: 10, .. }
+    ));
+    assert_eq!(
+        b().queue(10, ms(10))
+            .codel(Duration::ZERO, ms(100))
+            .build()
+            .unwrap_err(),
+        ShedError::InvalidCodel {
+            target: Duration::ZERO,
+            interval: ms(100)
+        }
+    );
+    let err = b().codel(ms(5), Duration::ZERO).build().unwrap_err();
+    assert!(matches!(err, ShedError::InvalidCodel { .. }));
+    assert!(err.to_string().contains("interval of 0ns"), "{err}");
+    assert!(b().queue(1, ms(1)).codel(ms(1), ms(1)).build().is_ok());
+    // Without a queue nothing waits, and nothing counts as queued.
+    let shed = b().build().unwrap();
+    assert_eq!((shed.queued(), shed.standing()), (0, false));
+}
+
+/// The panics these tests cause on purpose print nothing; any other still does.
+fn quiet_expected_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info
+            .payload()
+            .downcast_ref::<&str>()
+            .copied()
+            .unwrap_or_default();
+        if !message.contains("on purpose") {
+            default(info);
+        }
+    }));
+}
+
+/// A small deterministic generator (xorshift64*), so a failure replays.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n
+    }
+
+    fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
+        from[self.below(from.len())]
+    }
+}
+
+/// 10,000 random steps of requests of every class, tenant and declared deadline arriving,
+/// waiting, being served, failing, panicking, hanging and being cancelled (waiting or in
+/// flight), of bodies read or dropped and of time passing. After every step each request
+/// alive holds exactly one place in flight or in the queue (no place leaks, none is handed
+/// twice), neither bound is passed, and at the end both counts are back at zero.
+#[tokio::test(start_paused = true)]
+async fn random_mixes_with_a_queue_leave_every_count_at_zero() {
+    use http_body::Body;
+    use std::panic::AssertUnwindSafe;
+    use std::pin::Pin;
+    use std::task::{Context, Poll, Waker};
+    use tollgate::shed::PermitBody;
+
+    quiet_expected_panics();
+    let shed = LoadShedLayer::builder(Limit::fixed(4))
+        .classify(ByHeader::from_static("x-criticality"))
+        .fair_by(Header::from_static("x-tenant"))
+        .queue(6, Duration::from_millis(40))
+        .codel(Duration::from_millis(5), Duration::from_millis(20))
+        .deadline_header(http::HeaderName::from_static("grpc-timeout"))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let service = shed.layer(tower::service_fn(|r: Request<String>| {
+        let outcome = r.headers()["x-outcome"].to_str().unwrap().to_owned();
+        async move {
+            match outcome.as_str() {
+                "error" => Err(std::io::Error::other("failed")),
+                "panic" => panic!("the service panicked on purpose"),
+                "slow" => {
+                    tokio::time::sleep(Duration::from_millis(15)).await;
+                    Ok(Response::new(String::from("slow")))
+                }
+                "hang" => std::future::pending().await,
+                _ => Ok(Response::new(String::from("ok"))),
+            }
+        }
+    }));
+    type Pending =
+        Pin<Box<dyn Future<Output = Result<Response<PermitBody<String>>, std::io::Error>> + Send>>;
+    // Each request: its future, whether its service answers at once, whether it was pending.
+    let mut futures: Vec<(Pending, bool, bool)> = Vec::new();
+    let mut bodies: Vec<PermitBody<String>> = Vec::new();
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let (mut served, mut refused, mut served_after_waiting) = (0, 0, 0);
+    for step in 0..10_000 {
+        match rng.below(8) {
+            0..=2 => {
+                let mut request = get();
+                let headers = request.headers_mut();
+                let class = rng.pick(&["sheddable", "critical", "critical", "critical_plus"]);
+                headers.insert("x-criticality", class.parse().unwrap());
+                headers.insert("x-tenant", rng.pick(&["t0", "t1", "t2"]).parse().unwrap());
+                let outcome =
+                    rng.pick(&["ok", "ok", "ok", "slow", "slow", "error", "panic", "hang"]);
+                headers.insert("x-outcome", outcome.parse().unwrap());
+                let deadline = rng.pick(&["", "10m", "3", "25", "0", "junk", "99999999999"]);
+                if !deadline.is_empty() {
+                    headers.insert("grpc-timeout", deadline.parse().unwrap());
+                }
+                futures.push((
+                    Box::pin(service.clone().oneshot(request)),
+                    outcome == "ok",
+                    false,
+                ));
+            }
+            3 | 4 => tokio::time::advance(Duration::from_millis(rng.below(12) as u64)).await,
+            5 if !futures.is_empty() => drop(futures.swap_remove(rng.below(futures.len()))),
+            6 if !bodies.is_empty() => drop(bodies.swap_remove(rng.below(bodies.len()))),
+            7 if !bodies.is_empty() => {
+                let i = rng.below(bodies.len());
+                if let Poll::Ready(None) = Pin::new(&mut bodies[i]).poll_frame(&mut cx) {
+                    bodies.swap_remove(i);
+                }
+            }
+            _ => {}
+        }
+        // Poll every request until none moves: each one still pending then waits in the queue
+        // or is in the service. (A first poll may shed others as it joins the queue, leaving
+        // the counts as they were: always a second pass.)
+        for pass in 0.. {
+            let counts = (shed.in_flight(), shed.queued());
+            let before = futures.len();
+            let mut i = 0;
+            while i < futures.len() {
+                let (future, instant, pending) = &mut futures[i];
+                let polled =
+                    std::panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(&mut cx)));
+                match polled {
+                    Ok(Poll::Pending) => {
+                        *pending = true;
+                        i += 1;
+                    }
+                    Ok(Poll::Ready(Ok(response))) => {
+                        if response.status() == StatusCode::OK {
+                            served += 1;
+                            // A service that answers at once: it waited in the queue.
+                            served_after_waiting += usize::from(*instant && *pending);
+                        } else {
+                            refused += 1;
+                        }
+                        let body = response.into_body();
+                        if body.holds_permit() {
+                            bodies.push(body);
+                        }
+                        drop(futures.swap_remove(i));
+                    }
+                    Ok(Poll::Ready(Err(_))) | Err(_) => drop(futures.swap_remove(i)),
+                }
+            }
+            if pass > 0 && futures.len() == before && counts == (shed.in_flight(), shed.queued()) {
+                break;
+            }
+        }
+        let holding = bodies.iter().filter(|b| b.holds_permit()).count();
+        let (in_flight, queued) = (shed.in_flight() as usize, shed.queued());
+        assert_eq!(
+            in_flight + queued,
+            futures.len() + holding,
+            "step {step}: {in_flight} in flight and {queued} queued"
+        );
+        assert!(
+            in_flight <= 4 && queued <= 6,
+            "step {step}: {in_flight}, {queued}"
+        );
+    }
+    let stats = shed.stats();
+    let sum = |f: &dyn Fn(Criticality) -> u64| Criticality::ALL.map(f).iter().sum::<u64>();
+    let timed_out = sum(&|c| stats.timed_out(c));
+    eprintln!(
+        "{served} served ({served_after_waiting} after waiting), {refused} refused \
+         ({timed_out} after waiting)"
+    );
+    assert!(served > 1_000 && served_after_waiting > 100);
+    assert!(refused > 500 && timed_out > 100);
+    assert_eq!(sum(&|c| stats.shed(c)), refused);
+    for c in Criticality::ALL {
+        assert!(stats.timed_out(c) <= stats.shed(c));
+    }
+    drop(futures);
+    assert_eq!(shed.queued(), 0);
+    drop(bodies);
+    assert_eq!((shed.in_flight(), shed.queued()), (0, 0));
+}
+
+/// 150 % of capacity, as in `goodput_holds_under_150_percent_overload`: a queue in front of
+/// the adaptive limit keeps goodput at least as high as without it, and an admitted request
+/// waits at most the longest wait on top of its time in the service (p99 included). CoDel
+/// alone, with a fixed limit at the service's 100 workers, does as well.
+#[tokio::test(start_paused = true)]
+async fn a_queue_keeps_goodput_and_bounds_latency_under_150_percent_overload() {
+    let patience = Duration::from_secs(2);
+    let max_wait = Duration::from_millis(50);
+    let offered = &[load("clients", &[], 1_500)];
+    let capacity = 1_000 * 20;
+    let p99 = |mut v: Vec<Duration>| {
+        v.sort();
+        v[v.len() * 99 / 100]
+    };
+    let run = |shed: Option<LoadShedLayer>| async move {
+        let backend = Backend::new(100, 100);
+        let (served, latencies) = drive_timed(shed.as_ref(), &backend, offered, 20, patience).await;
+        let served = served["clients"].0;
+        let waits: Vec<Duration> = latencies
+            .iter()
+            .map(|(total, inside)| *total - *inside)
+            .collect();
+        let max_wait_seen = waits.iter().copied().max().unwrap_or_default();
+        let latency = p99(latencies.iter().map(|l| l.0).collect());
+        let in_service = p99(latencies.iter().map(|l| l.1).collect());
+        eprintln!(
+            "goodput {served} ({:.1} %), p99 latency {latency:?}, p99 in service {in_service:?}, \
+             longest wait before the service {max_wait_seen:?}, limit {:?}",
+            100.0 * served as f64 / capacity as f64,
+            shed.as_ref().map(LoadShedLayer::limit),
+        );
+        (served, latency, in_service, max_wait_seen)
+    };
+    let vegas = || LoadShedLayer::builder(Limit::vegas(20)).clock(TokioClock::new());
+    let (without, ..) = run(Some(vegas().build().unwrap())).await;
+    let (with, latency, in_service, waited) =
+        run(Some(vegas().queue(200, max_wait).build().unwrap())).await;
+    assert!(with >= without, "with a queue {with}, without {without}");
+    assert!(waited <= max_wait, "{waited:?}");
+    assert!(latency <= max_wait + in_service, "{latency:?}");
+    // CoDel as the capacity signal: a fixed limit at the 100 workers (all traffic
+    // critical_plus, so the limit is the number in flight) and the queue, judged by CoDel.
+    // (These workers free their places in waves, every 100 ms: the queue empties in each wave,
+    // so CoDel mostly finds it healthy and requests wait for the next wave, up to 50 ms.)
+    let codel = LoadShedLayer::builder(Limit::fixed(100))
+        .classify(|_: &http::request::Parts| Criticality::CriticalPlus)
+        .queue(200, max_wait)
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let (with, latency, in_service, waited) = run(Some(codel)).await;
+    assert!(
+        with >= without,
+        "CoDel alone {with}, Vegas without a queue {without}"
+    );
+    assert!(with * 100 >= capacity * 95, "{with}");
+    assert!(waited <= max_wait, "{waited:?}");
+    assert!(latency <= max_wait + in_service, "{latency:?}");
+}
+
+/// One request holds the place while another, on another thread, arrives and finds none;
+/// then the place is given back and nobody else comes. However the two meet (the place given
+/// back just before the other joins the queue, as it joins, or after), the other gets the
+/// place at once: never after its longest wait (five seconds, then shed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_place_is_lost_between_threads() {
+    let shed = LoadShedLayer::builder(Limit::fixed(1))
+        .queue(4, Duration::from_secs(5))
+        .codel(Duration::from_secs(5), Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    for round in 0..20_000u32 {
+        let held = service.clone().oneshot(get()).await.unwrap();
+        assert_eq!(held.status(), StatusCode::OK);
+        let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let other = tokio::spawn({
+            let (service, started) = (service.clone(), started.clone());
+            async move {
+                started.store(true, Ordering::SeqCst);
+                service.oneshot(get()).await
+            }
+        });
+        // Give the place back at a moment that moves across the other's arrival.
+        while !started.load(Ordering::SeqCst) {
+            std::hint::spin_loop();
+        }
+        for _ in 0..round % 512 {
+            std::hint::spin_loop();
+        }
+        drop(held);
+        let answer = other.await.unwrap().unwrap();
+        assert_eq!(answer.status(), StatusCode::OK, "round {round}");
+    }
+    assert_eq!((shed.in_flight(), shed.queued()), (0, 0));
+}
+
+/// Shares need not grow with the class: a class with the widest share is served from the
+/// queue up to it, whichever class that is.
+#[tokio::test(start_paused = true)]
+async fn the_widest_share_need_not_be_critical_plus() {
+    let shed = queued(10, 4, Duration::from_secs(1))
+        .classify(ByHeader::from_static("x-criticality"))
+        .share(Criticality::Sheddable, 1.0)
+        .share(Criticality::CriticalPlus, 0.5)
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let mut held = Vec::new();
+    for _ in 0..10 {
+        held.push(
+            service
+                .clone()
+                .oneshot(with("x-criticality", "sheddable"))
+                .await
+                .unwrap(),
+        );
+    }
+    let waiter = spawn_timed(service.clone(), with("x-criticality", "sheddable"));
+    settle().await;
+    assert_eq!(shed.queued(), 1);
+    held.pop();
+    let (answer, _) = waiter.await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    assert_eq!((shed.in_flight(), shed.queued()), (10, 0));
 }

@@ -8,17 +8,18 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
-use http::{Response, StatusCode};
+use http::{HeaderName, Response, StatusCode};
 use parking_lot::Mutex;
 use tower_layer::Layer;
 
 use super::classify::{Classifier, Criticality};
 use super::limit::{Controller, Limit, LimitKind, Sample};
+use super::queue::{DEFAULT_CODEL_INTERVAL, DEFAULT_CODEL_TARGET, Discipline, Queue};
 use super::service::LoadShed;
 use crate::answer::{DefaultResponder, Rejection, RejectionKind, Responder};
 use crate::clock::{Clock, SystemClock};
 use crate::concurrency::table::InFlight;
-use crate::inflight::Answer;
+use crate::inflight::{Admitted, Answer, Held};
 use crate::key::{Key, KeyExtractor};
 
 /// The default least `Retry-After` of a shed request.
@@ -51,6 +52,10 @@ impl LoadShedLayer {
             jitter: DEFAULT_SHED_JITTER,
             responder: Box::new(DefaultResponder),
             clock: Arc::new(SystemClock::new()),
+            queue: None,
+            discipline: Discipline::default(),
+            codel: (DEFAULT_CODEL_TARGET, DEFAULT_CODEL_INTERVAL),
+            deadline: None,
         }
     }
 
@@ -64,12 +69,28 @@ impl LoadShedLayer {
         self.shared.in_flight.load(Ordering::Acquire)
     }
 
+    /// Requests waiting in the queue now (see [`LoadShedLayerBuilder::queue`]; 0 without one).
+    pub fn queued(&self) -> usize {
+        self.shared.queue.as_ref().map_or(0, Queue::len)
+    }
+
+    /// Whether the queue stands, by CoDel (see [`LoadShedLayerBuilder::codel`]), as of the
+    /// last time it changed or a waiter looked at it; `false` without a queue.
+    pub fn standing(&self) -> bool {
+        self.shared.queue.as_ref().is_some_and(Queue::standing)
+    }
+
     /// Requests admitted and shed so far, per class.
     pub fn stats(&self) -> ShedStats {
         let load = |a: &[AtomicU64; 4]| a.each_ref().map(|n| n.load(Ordering::Relaxed));
         ShedStats {
             admitted: load(&self.shared.admitted),
             shed: load(&self.shared.shed),
+            timed_out: self
+                .shared
+                .queue
+                .as_ref()
+                .map_or([0; 4], |q| load(&q.timed_out)),
         }
     }
 }
@@ -87,6 +108,7 @@ impl fmt::Debug for LoadShedLayer {
         f.debug_struct("LoadShedLayer")
             .field("limit", &self.limit())
             .field("in_flight", &self.in_flight())
+            .field("queued", &self.queued())
             .finish_non_exhaustive()
     }
 }
@@ -96,6 +118,7 @@ impl fmt::Debug for LoadShedLayer {
 pub struct ShedStats {
     admitted: [u64; 4],
     shed: [u64; 4],
+    timed_out: [u64; 4],
 }
 
 impl ShedStats {
@@ -104,9 +127,16 @@ impl ShedStats {
         self.admitted[class.index()]
     }
 
-    /// Requests of `class` shed.
+    /// Requests of `class` shed: at once, or after waiting in the queue.
     pub fn shed(&self, class: Criticality) -> u64 {
         self.shed[class.index()]
+    }
+
+    /// Requests of `class` shed from the queue because their wait ran out: the longest wait,
+    /// their client's deadline, or CoDel's target while the queue stood. They are among
+    /// [`shed`](ShedStats::shed) too.
+    pub fn timed_out(&self, class: Criticality) -> u64 {
+        self.timed_out[class.index()]
     }
 }
 
@@ -123,6 +153,10 @@ pub struct LoadShedLayerBuilder {
     jitter: Duration,
     responder: Box<dyn Responder>,
     clock: Arc<dyn Clock>,
+    queue: Option<(usize, Duration)>,
+    discipline: Discipline,
+    codel: (Duration, Duration),
+    deadline: Option<HeaderName>,
 }
 
 impl LoadShedLayerBuilder {
@@ -187,11 +221,79 @@ impl LoadShedLayerBuilder {
         self
     }
 
-    /// The clock that times requests for an adaptive limit (the system's monotonic clock
-    /// unless set; [`TokioClock`](crate::clock::TokioClock) for simulations under tokio's
-    /// paused time).
+    /// The clock that times requests for an adaptive limit and waits in the queue (the
+    /// system's monotonic clock unless set; [`TokioClock`](crate::clock::TokioClock) for
+    /// simulations under tokio's paused time).
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
+        self
+    }
+
+    /// A bounded queue in front of the limit: a request that the limit would shed (its class
+    /// has no room now) waits instead, up to `max_wait`, for a place to be given back. A
+    /// place given back is handed to a waiter there and then, the first in the
+    /// [`discipline`](LoadShedLayerBuilder::discipline)'s order whose class may use it, so a
+    /// newcomer cannot take it first. At most `max_queued` requests wait (over all classes):
+    /// with the queue full, a request is shed at once.
+    ///
+    /// A waiter is shed (`503`, counted in [`ShedStats::timed_out`]) when it has waited
+    /// `max_wait`, less if its client declared a shorter timeout
+    /// ([`deadline_header`](LoadShedLayerBuilder::deadline_header)), or CoDel's target while
+    /// the queue stands ([`codel`](LoadShedLayerBuilder::codel), on by default with 5 ms).
+    /// A waiter whose client goes away leaves the queue and takes nothing. Requests shed by
+    /// the [`utilization`](LoadShedLayerBuilder::utilization) signal or for fairness do not
+    /// wait: nothing tells when they would have room.
+    ///
+    /// `max_wait` bounds the latency the queue adds: keep it well under your clients'
+    /// timeouts. The wait runs on tokio's timer. No queue unless set; both numbers must be
+    /// above zero.
+    pub fn queue(mut self, max_queued: usize, max_wait: Duration) -> Self {
+        self.queue = Some((max_queued, max_wait));
+        self
+    }
+
+    /// The order in which waiters get the places given back: [`Discipline::AdaptiveLifo`] (the
+    /// default: oldest first while the queue is healthy, newest first while it stands or is
+    /// more than half full), [`Discipline::Fifo`] or [`Discipline::Lifo`]. Only with a
+    /// [`queue`](LoadShedLayerBuilder::queue).
+    pub fn discipline(mut self, discipline: Discipline) -> Self {
+        self.discipline = discipline;
+        self
+    }
+
+    /// CoDel's judgement of the queue (controlled delay, as Facebook applies it to request
+    /// queues; defaults [`DEFAULT_CODEL_TARGET`] 5 ms and [`DEFAULT_CODEL_INTERVAL`] 100 ms).
+    /// The queue's delay is how long its oldest waiter has waited. When that delay stays at
+    /// `target` or more through an `interval`, the queue *stands*: it no longer absorbs a
+    /// burst, it only adds latency. Then waiters wait at most `target` (not `max_wait`) before
+    /// being shed, and adaptive LIFO serves the newest first. After an interval in which the
+    /// delay fell below half the target (the queue drained, or emptied), it is healthy again.
+    ///
+    /// With a queue and a fixed limit at about what the service serves at once, this is a
+    /// capacity signal of its own: a service that falls behind builds a standing queue, which
+    /// is shed down to `target`. To wait `max_wait` whatever the queue's state, give a
+    /// `target` of `max_wait` or more. Only with a [`queue`](LoadShedLayerBuilder::queue);
+    /// both must be above zero.
+    pub fn codel(mut self, target: Duration, interval: Duration) -> Self {
+        self.codel = (target, interval);
+        self
+    }
+
+    /// Honours a timeout the client declares in header `name`: such a request waits in the
+    /// queue at most that timeout less the time the service typically takes to answer (a
+    /// moving average of its recent answers), so that it is not served after its client gave
+    /// up; one whose timeout leaves no time to wait is shed at once when it finds no room.
+    /// The timeout bounds the wait only: a request that finds room is admitted whatever it
+    /// declares.
+    ///
+    /// Two forms are read: gRPC's `grpc-timeout` (1 to 8 digits and a unit: `H`, `M`, `S`,
+    /// `m` for milliseconds, `u`, `n`; `250m`), and plain milliseconds (1 to 8 digits: `250`,
+    /// as in Envoy's `x-envoy-expected-rq-timeout-ms` or an `x-request-timeout`). A value in
+    /// neither form (a sign, a fraction, `ms` or `s`, more than 8 digits, bytes that are not
+    /// ASCII) is ignored: the request waits as if it declared nothing. Only the header's
+    /// first value is read. Only with a [`queue`](LoadShedLayerBuilder::queue).
+    pub fn deadline_header(mut self, name: HeaderName) -> Self {
+        self.deadline = Some(name);
         self
     }
 
@@ -211,6 +313,26 @@ impl LoadShedLayerBuilder {
         if !(self.fair_from.is_finite() && self.fair_from > 0.0 && self.fair_from <= 1.0) {
             return Err(ShedError::InvalidFairFrom(self.fair_from));
         }
+        let (target, interval) = self.codel;
+        if target.is_zero() || interval.is_zero() {
+            return Err(ShedError::InvalidCodel { target, interval });
+        }
+        let queue = match self.queue {
+            Some((max_queued, max_wait)) if max_queued == 0 || max_wait.is_zero() => {
+                return Err(ShedError::InvalidQueue {
+                    max_queued,
+                    max_wait,
+                });
+            }
+            Some((max, max_wait)) => Some(Queue::new(
+                max,
+                max_wait,
+                self.discipline,
+                self.codel,
+                self.deadline,
+            )),
+            None => None,
+        };
         let controller = self.limit.controller();
         let limit = controller.limit();
         Ok(LoadShedLayer {
@@ -219,6 +341,10 @@ impl LoadShedLayerBuilder {
                 controller: Mutex::new(controller),
                 in_flight: AtomicU32::new(0),
                 shares: self.shares,
+                widest: Criticality::ALL
+                    .into_iter()
+                    .max_by_key(|c| self.shares[c.index()])
+                    .unwrap_or(Criticality::CriticalPlus),
                 classifier: self.classifier,
                 utilization: self.utilization,
                 fair: self.fair.map(|key| Fair {
@@ -234,6 +360,8 @@ impl LoadShedLayerBuilder {
                 shed: Default::default(),
                 responder: self.responder,
                 clock: self.clock,
+                queue,
+                typical: AtomicU64::new(0),
             }),
         })
     }
@@ -245,6 +373,10 @@ impl fmt::Debug for LoadShedLayerBuilder {
             .field("limit", &self.limit)
             .field("shares", &self.shares)
             .field("fair_from", &self.fair_from)
+            .field("queue", &self.queue)
+            .field("discipline", &self.discipline)
+            .field("codel", &self.codel)
+            .field("deadline", &self.deadline)
             .finish_non_exhaustive()
     }
 }
@@ -266,6 +398,20 @@ pub enum ShedError {
     ZeroLimit,
     /// `Limit::aimd` with a latency target of zero would back off on every window.
     ZeroLatency,
+    /// A queue of no places, or with no time to wait.
+    InvalidQueue {
+        /// The most requests waiting given.
+        max_queued: usize,
+        /// The longest wait given.
+        max_wait: Duration,
+    },
+    /// A CoDel target or interval of zero.
+    InvalidCodel {
+        /// The target given.
+        target: Duration,
+        /// The interval given.
+        interval: Duration,
+    },
 }
 
 impl fmt::Display for ShedError {
@@ -284,6 +430,19 @@ impl fmt::Display for ShedError {
             ShedError::ZeroLatency => {
                 f.write_str("an AIMD latency target of 0 backs off on every window")
             }
+            ShedError::InvalidQueue {
+                max_queued,
+                max_wait,
+            } => write!(
+                f,
+                "a queue of {max_queued} places with a longest wait of {max_wait:?}: both must \
+                 be above zero"
+            ),
+            ShedError::InvalidCodel { target, interval } => write!(
+                f,
+                "a CoDel target of {target:?} over an interval of {interval:?}: both must be \
+                 above zero"
+            ),
         }
     }
 }
@@ -301,14 +460,16 @@ fn whole_secs(d: Duration) -> u64 {
 /// What every clone of the layer shares.
 pub(crate) struct Shared {
     /// The controller's limit, read on every request without its lock.
-    limit: AtomicU32,
+    pub(super) limit: AtomicU32,
     controller: Mutex<Controller>,
-    in_flight: AtomicU32,
+    pub(super) in_flight: AtomicU32,
     /// Each class's share of capacity, in thousandths.
     shares: [u16; 4],
+    /// The class with the largest share.
+    pub(super) widest: Criticality,
     classifier: Box<dyn Classifier>,
     utilization: Option<Box<dyn Fn() -> f64 + Send + Sync>>,
-    fair: Option<Fair>,
+    pub(super) fair: Option<Fair>,
     /// The least `Retry-After` and its spread, in whole seconds.
     retry_after: u64,
     jitter: u64,
@@ -317,27 +478,64 @@ pub(crate) struct Shared {
     admitted: [AtomicU64; 4],
     shed: [AtomicU64; 4],
     responder: Box<dyn Responder>,
-    clock: Arc<dyn Clock>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) queue: Option<Queue>,
+    /// A moving average of the time the service takes to answer, in nanoseconds (each answer
+    /// weighs an eighth; 0 before the first): what a client's deadline must leave for it.
+    pub(super) typical: AtomicU64,
 }
 
-struct Fair {
+pub(super) struct Fair {
     key: Box<dyn KeyExtractor>,
-    tenants: InFlight,
+    pub(super) tenants: InFlight,
     /// The share of capacity past which fairness applies, in thousandths.
     from: u64,
 }
 
+/// A place in flight, and its tenant's place with fairness; dropping it gives both back, the
+/// place to a waiter first.
+pub(crate) struct Place {
+    shared: Arc<Shared>,
+    tenant: Option<(u64, Key)>,
+    /// False once given back by hand.
+    armed: bool,
+}
+
+impl Place {
+    pub(super) fn new(shared: &Arc<Shared>, tenant: Option<(u64, Key)>) -> Self {
+        Place {
+            shared: Arc::clone(shared),
+            tenant,
+            armed: true,
+        }
+    }
+
+    /// Gives the place back under the queue's lock: its count and its tenant's, and nothing
+    /// to the waiters (the caller is serving them).
+    pub(super) fn give_back_locked(mut self) {
+        self.armed = false;
+        self.shared.release_tenant(self.tenant.as_ref());
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.release_tenant(self.tenant.as_ref());
+            self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            self.shared.serve_waiters();
+        }
+    }
+}
+
 /// The place of a request admitted by the shedder; dropping it gives the place back.
 pub(crate) struct Guard {
-    shared: Arc<Shared>,
+    place: Place,
     started: u64,
     /// Requests in flight when it was admitted, itself included.
     in_flight: u32,
-    tenant: Option<(u64, Key)>,
     answered: bool,
-    /// Whether the request got past every check (a guard dropped while being refused teaches
-    /// nothing).
-    admitted: bool,
 }
 
 impl Guard {
@@ -348,12 +546,25 @@ impl Guard {
             return;
         }
         if let Answer::Served { failed } = answer {
-            self.sample(failed);
+            let nanos = self.sample(failed);
+            let shared = &self.place.shared;
+            if shared.queue.as_ref().is_some_and(Queue::has_deadlines) {
+                let _ = shared
+                    .typical
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
+                        Some(if avg == 0 {
+                            nanos
+                        } else {
+                            avg - avg / 8 + nanos / 8
+                        })
+                    });
+            }
         }
     }
 
-    fn sample(&self, failed: bool) {
-        let shared = &self.shared;
+    /// Teaches the controller the request's time in flight so far (returned, in nanoseconds).
+    fn sample(&self, failed: bool) -> u64 {
+        let shared = &self.place.shared;
         let now = shared.clock.now();
         let nanos = now.saturating_sub(self.started).max(1);
         let mut controller = shared.controller.lock();
@@ -364,26 +575,33 @@ impl Guard {
             failed,
         });
         shared.limit.store(controller.limit(), Ordering::Relaxed);
+        nanos
     }
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
         // Dropped before the service answered (the client went away, a timeout fired): its
-        // time so far is a sample too, or a service that hangs would teach nothing.
-        if !self.answered && self.admitted {
+        // time so far is a sample too, or a service that hangs would teach nothing. The place
+        // is given back after this, as the field is dropped.
+        if !self.answered {
             self.sample(false);
-        }
-        self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
-        if let (Some((hash, key)), Some(fair)) = (&self.tenant, &self.shared.fair) {
-            fair.tenants.release(*hash, key);
         }
     }
 }
 
+/// Why [`Shared::take`] took no place.
+pub(super) enum NoPlace {
+    /// The class has no room.
+    Full,
+    /// The tenant has its fair share in flight.
+    Unfair,
+}
+
 impl Shared {
-    /// Admits a request, or sheds it (the class it was shed as).
-    pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Guard, Criticality> {
+    /// Admits a request (at once, or after a wait in the queue), or sheds it (the class it was
+    /// shed as).
+    pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Criticality> {
         let class = self.classifier.classify(parts);
         let share = u64::from(self.shares[class.index()]);
         if let Some(signal) = &self.utilization {
@@ -392,51 +610,106 @@ impl Shared {
                 return Err(class);
             }
         }
+        let tenant = self.tenant(parts);
+        let queue = self.queue.as_ref();
+        if let Some(queue) = queue.filter(|q| q.len() > 0) {
+            // Requests wait: the queue decides, so that this one cannot overtake them.
+            return self.enqueue(queue, parts, class, tenant);
+        }
+        match self.take(class, tenant.as_ref()) {
+            Ok(in_flight) => {
+                let guard = self.guard(class, Place::new(self, tenant), in_flight);
+                Ok(Admitted::Now(Held::Shed(guard)))
+            }
+            Err(NoPlace::Full) => match queue {
+                Some(queue) => self.enqueue(queue, parts, class, tenant),
+                None => Err(class),
+            },
+            Err(NoPlace::Unfair) => {
+                // Its place went back: a request that joined the queue meanwhile may use it.
+                self.serve_waiters();
+                Err(class)
+            }
+        }
+    }
+
+    /// The tenant of a request, with fairness: its key's hash and its key.
+    fn tenant(&self, parts: &Parts) -> Option<(u64, Key)> {
+        let fair = self.fair.as_ref()?;
+        let mut key = Key::new();
+        if !fair.key.extract_into(parts, &mut key) {
+            return None;
+        }
+        key.push_raw("@tenant");
+        let key = crate::concurrency::bounded(key);
+        Some((fair.tenants.hash(key.as_str()), key))
+    }
+
+    /// Takes a place in flight for a request of `class` if its class has room, and its
+    /// tenant's if the tenant is within its fair share (or neither): the requests in flight
+    /// with it. Nothing is handed to waiters here.
+    pub(super) fn take(
+        &self,
+        class: Criticality,
+        tenant: Option<&(u64, Key)>,
+    ) -> Result<u32, NoPlace> {
         let limit = u64::from(self.limit.load(Ordering::Relaxed));
-        let threshold = u32::try_from((limit * share / 1000).max(1)).unwrap_or(u32::MAX);
+        let threshold = self.threshold(class, limit);
         let Ok(before) = self
             .in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
                 (n < threshold).then_some(n + 1)
             })
         else {
-            return Err(class);
+            return Err(NoPlace::Full);
         };
-        let mut guard = Guard {
-            shared: Arc::clone(self),
-            started: self.clock.now(),
-            in_flight: before + 1,
-            tenant: None,
-            answered: false,
-            admitted: false,
-        };
-        if let Some(fair) = &self.fair {
-            let mut key = Key::new();
-            if fair.key.extract_into(parts, &mut key) {
-                key.push_raw("@tenant");
-                let key = crate::concurrency::bounded(key);
-                let hash = fair.tenants.hash(key.as_str());
-                let max = if u64::from(before) * 1000 >= limit * fair.from {
-                    // Near capacity: a tenant with its fair share in flight waits its turn.
-                    // The tenants in flight, this one counted once.
-                    let mut tenants = u64::try_from(fair.tenants.keys()).unwrap_or(u64::MAX);
-                    if fair.tenants.count(key.as_str()) == 0 {
-                        tenants = tenants.saturating_add(1);
-                    }
-                    u32::try_from((limit / tenants.max(1)).max(1)).unwrap_or(u32::MAX)
-                } else {
-                    u32::MAX
-                };
-                if !fair.tenants.acquire(hash, &key, max) {
-                    drop(guard);
-                    return Err(class);
-                }
-                guard.tenant = Some((hash, key));
+        if let (Some(fair), Some((hash, key))) = (&self.fair, tenant) {
+            if !fair
+                .tenants
+                .acquire(*hash, key, self.fair_share(fair, before, limit, key))
+            {
+                self.in_flight.fetch_sub(1, Ordering::SeqCst);
+                return Err(NoPlace::Unfair);
             }
         }
+        Ok(before + 1)
+    }
+
+    /// The requests in flight from which `class` is shed, under `limit`.
+    pub(super) fn threshold(&self, class: Criticality, limit: u64) -> u32 {
+        let share = u64::from(self.shares[class.index()]);
+        u32::try_from((limit * share / 1000).max(1)).unwrap_or(u32::MAX)
+    }
+
+    /// The most requests in flight the tenant of `key` may have when `before` are in flight:
+    /// its fair share near capacity (the limit divided among the tenants in flight, this one
+    /// counted once), no bound below.
+    pub(super) fn fair_share(&self, fair: &Fair, before: u32, limit: u64, key: &Key) -> u32 {
+        if u64::from(before) * 1000 < limit * fair.from {
+            return u32::MAX;
+        }
+        let mut tenants = u64::try_from(fair.tenants.keys()).unwrap_or(u64::MAX);
+        if fair.tenants.count(key.as_str()) == 0 {
+            tenants = tenants.saturating_add(1);
+        }
+        u32::try_from((limit / tenants.max(1)).max(1)).unwrap_or(u32::MAX)
+    }
+
+    fn release_tenant(&self, tenant: Option<&(u64, Key)>) {
+        if let (Some((hash, key)), Some(fair)) = (tenant, &self.fair) {
+            fair.tenants.release(*hash, key);
+        }
+    }
+
+    /// The guard of a request of `class` admitted with `place`, `in_flight` with it.
+    pub(super) fn guard(&self, class: Criticality, place: Place, in_flight: u32) -> Guard {
         self.admitted[class.index()].fetch_add(1, Ordering::Relaxed);
-        guard.admitted = true;
-        Ok(guard)
+        Guard {
+            place,
+            started: self.clock.now(),
+            in_flight,
+            answered: false,
+        }
     }
 
     /// The answer to a request shed as `class`.

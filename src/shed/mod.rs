@@ -24,6 +24,25 @@
 //!   busy, a tenant with its fair share in flight is shed before anyone else, so one noisy
 //!   tenant cannot make thirty small ones lose their requests.
 //!
+//! - **A queue** ([`LoadShedLayerBuilder::queue`], none by default): a request its class has
+//!   no room for may wait, a bounded number at once and each at most a longest wait, for a
+//!   place to be given back. The place is handed to a waiter whose class may use it, so
+//!   newcomers cannot overtake the queue; a waiter whose client goes away leaves it and takes
+//!   nothing; a full queue sheds at once.
+//! - **Discipline** ([`Discipline`]): oldest first, newest first, or (the default) adaptive
+//!   LIFO as Facebook runs it: oldest first while the queue is healthy, newest first while it
+//!   is overloaded (standing, or more than half full), so that under overload the requests
+//!   served are those whose clients are still waiting.
+//! - **Queueing delay, CoDel-style** ([`LoadShedLayerBuilder::codel`], 5 ms and 100 ms by
+//!   default, as in Kathleen Nichols and Van Jacobson's CoDel and Facebook's servers): when the
+//!   oldest waiter's wait has not fallen below the target through a whole interval, the queue
+//!   *stands*: it only adds latency. Waiters then wait at most the target, and adaptive LIFO
+//!   serves the newest. With a fixed limit at what the service serves at once, this is a
+//!   capacity signal of its own.
+//! - **Deadlines** ([`LoadShedLayerBuilder::deadline_header`]): a client's declared timeout
+//!   (`grpc-timeout`, or plain milliseconds) bounds its wait, less the time the service takes
+//!   to answer; a malformed value is ignored.
+//!
 //! Put it outermost: shedding is the cheapest "no", and it protects the rate limiter's store
 //! too.
 //!
@@ -60,10 +79,55 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # A queue
+//!
+//! One request at a time, up to ten waiting, each up to 100 ms, or less if its client says
+//! so. The place of the first is handed to the request that waited; the one that declared a
+//! timeout of 20 ms is shed at 20 ms.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use std::time::Duration;
+//! use http::{HeaderName, Request, Response, StatusCode};
+//! use tower::{ServiceBuilder, ServiceExt};
+//! use tollgate::LoadShedLayer;
+//! use tollgate::clock::TokioClock;
+//! use tollgate::shed::{Criticality, Limit};
+//!
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let shed = LoadShedLayer::builder(Limit::fixed(1))
+//!     .queue(10, Duration::from_millis(100))
+//!     .deadline_header(HeaderName::from_static("grpc-timeout"))
+//!     .clock(TokioClock::new()) // tokio's paused time, for this example
+//!     .build()?;
+//! let service = ServiceBuilder::new()
+//!     .layer(shed.clone())
+//!     .service_fn(|_: Request<String>| async { Ok::<_, Infallible>(Response::new(String::new())) });
+//!
+//! // Its body holds the place until it is sent (here: dropped).
+//! let first = service.clone().oneshot(Request::new(String::new())).await?;
+//! let start = tokio::time::Instant::now();
+//! let patient = tokio::spawn(service.clone().oneshot(Request::new(String::new())));
+//! let hurried = Request::get("/").header("grpc-timeout", "20m").body(String::new())?;
+//! let hurried = tokio::spawn(service.clone().oneshot(hurried));
+//! tokio::time::sleep(Duration::from_millis(30)).await;
+//! assert_eq!(shed.queued(), 1); // the hurried one has gone
+//! drop(first);
+//! assert_eq!(patient.await??.status(), StatusCode::OK);
+//! assert_eq!(start.elapsed(), Duration::from_millis(30));
+//! assert_eq!(hurried.await??.status(), StatusCode::SERVICE_UNAVAILABLE);
+//! assert_eq!(shed.stats().timed_out(Criticality::Critical), 1);
+//! # Ok(())
+//! # }
+//! ```
 
 mod classify;
+mod deadline;
 mod layer;
 mod limit;
+mod queue;
 mod service;
 
 pub use crate::inflight::{PermitBody, ResponseFuture};
@@ -74,4 +138,5 @@ pub use layer::{
     LoadShedLayerBuilder, ShedError, ShedStats,
 };
 pub use limit::Limit;
+pub use queue::{DEFAULT_CODEL_INTERVAL, DEFAULT_CODEL_TARGET, Discipline};
 pub use service::LoadShed;

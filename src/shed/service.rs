@@ -1,12 +1,12 @@
 //! The service: admitted, or shed before the inner service is called.
 
 use super::layer::Shared;
-use crate::inflight::{Held, in_flight_service};
+use crate::inflight::in_flight_service;
 
 in_flight_service! {
     /// The service made by [`LoadShedLayer`](super::LoadShedLayer). Clones share the layer's
     /// limit and counts.
     LoadShed,
-    |shared, parts| admit: shared.admit(parts).map(Held::Shed),
+    |shared, parts| admit: shared.admit(parts),
     refuse: |parts, class| shared.refuse(parts, class),
 }

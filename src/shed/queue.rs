@@ -1,0 +1,624 @@
+//! The shedder's queue: a request the limit would shed waits for a place given back, served in
+//! the [`Discipline`]'s order, each at most its own longest wait; CoDel says when the queue
+//! stands and waits are cut to its target.
+//!
+//! Every change to the queue happens under one lock: a request joining it, a place given back
+//! while anyone waits (handed to a waiter there, so that a newcomer cannot take it first), a
+//! waiter leaving (served, timed out, or gone). A place given back while nobody waits takes no
+//! lock.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::poll_fn;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::Poll;
+use std::time::Duration;
+
+use http::HeaderName;
+use http::request::Parts;
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+
+use super::classify::Criticality;
+use super::deadline::parse_timeout;
+use super::layer::{NoPlace, Place, Shared};
+use crate::inflight::{Admitted, Held, Refuse};
+use crate::key::Key;
+
+/// CoDel's default target: a queue whose delay stays at or above it for an interval stands.
+pub const DEFAULT_CODEL_TARGET: Duration = Duration::from_millis(5);
+/// CoDel's default interval: how long the delay must stay at the target for the queue to stand.
+pub const DEFAULT_CODEL_INTERVAL: Duration = Duration::from_millis(100);
+
+/// The order in which waiting requests get the places given back (among those whose class may
+/// use the place).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Discipline {
+    /// Oldest first: fair in order of arrival, but under overload every request waits about
+    /// the longest wait, and the oldest are the likeliest to have been given up by their
+    /// clients.
+    Fifo,
+    /// Newest first: under overload the requests served are fresh (their clients are still
+    /// there) and the oldest are the ones shed, but in calm times a request may be overtaken
+    /// again and again.
+    Lifo,
+    /// Oldest first while the queue is healthy, newest first while it is overloaded (it
+    /// stands, by CoDel, or it is more than half full): Facebook's adaptive LIFO. The default.
+    #[default]
+    AdaptiveLifo,
+}
+
+/// The queue's settings and its waiters.
+pub(super) struct Queue {
+    max: usize,
+    /// The longest wait, in nanoseconds.
+    max_wait: u64,
+    discipline: Discipline,
+    /// CoDel's target, in nanoseconds: the longest wait while the queue stands.
+    target: u64,
+    /// The header in which clients declare their timeout.
+    deadline: Option<HeaderName>,
+    /// The waiters, readable without the lock.
+    len: AtomicUsize,
+    state: Mutex<State>,
+    /// Requests shed from the queue because their wait ran out, per class.
+    pub(super) timed_out: [AtomicU64; 4],
+}
+
+impl Queue {
+    pub(super) fn new(
+        max: usize,
+        max_wait: Duration,
+        discipline: Discipline,
+        (target, interval): (Duration, Duration),
+        deadline: Option<HeaderName>,
+    ) -> Self {
+        let target = nanos(target);
+        Queue {
+            max,
+            max_wait: nanos(max_wait),
+            discipline,
+            target,
+            deadline,
+            len: AtomicUsize::new(0),
+            state: Mutex::new(State {
+                waiters: VecDeque::new(),
+                next_id: 0,
+                codel: Codel::new(target, nanos(interval)),
+                tenants: HashMap::default(),
+            }),
+            timed_out: Default::default(),
+        }
+    }
+
+    /// Requests waiting now.
+    pub(super) fn len(&self) -> usize {
+        self.len.load(Ordering::SeqCst)
+    }
+
+    /// Whether clients declare deadlines (so the time the service takes to answer matters).
+    pub(super) fn has_deadlines(&self) -> bool {
+        self.deadline.is_some()
+    }
+
+    /// Whether the queue stood when it was last looked at.
+    pub(super) fn standing(&self) -> bool {
+        self.state.lock().codel.standing
+    }
+
+    fn push(&self, state: &mut State, waiter: Waiter) {
+        if let Some((hash, _)) = &waiter.tenant {
+            *state.tenants.entry(*hash).or_default() += 1;
+        }
+        state.waiters.push_back(waiter);
+        self.len.store(state.waiters.len(), Ordering::SeqCst);
+    }
+
+    fn remove(&self, state: &mut State, index: usize) -> Option<Waiter> {
+        let waiter = state.waiters.remove(index)?;
+        self.len.store(state.waiters.len(), Ordering::SeqCst);
+        if let Some((hash, _)) = &waiter.tenant {
+            if let Some(n) = state.tenants.get_mut(hash) {
+                *n -= 1;
+                if *n == 0 {
+                    state.tenants.remove(hash);
+                }
+            }
+        }
+        Some(waiter)
+    }
+
+    /// Whether the next place goes to the newest waiter.
+    fn newest_first(&self, state: &State) -> bool {
+        match self.discipline {
+            Discipline::Fifo => false,
+            Discipline::Lifo => true,
+            Discipline::AdaptiveLifo => {
+                state.codel.standing || state.waiters.len().saturating_mul(2) > self.max
+            }
+        }
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// What the queue's lock guards.
+struct State {
+    /// In order of arrival: ids and arrival times only grow from front to back.
+    waiters: VecDeque<Waiter>,
+    next_id: u64,
+    codel: Codel,
+    /// Waiters per tenant (by the hash of its key), with fairness.
+    tenants: HashMap<u64, u32, foldhash::fast::RandomState>,
+}
+
+impl State {
+    /// The queue's delay: how long its oldest waiter has waited (`None` when it is empty).
+    fn delay(&self, now: u64) -> Option<u64> {
+        self.waiters.front().map(|w| now.saturating_sub(w.since))
+    }
+
+    fn position(&self, id: u64) -> Option<usize> {
+        self.waiters.binary_search_by_key(&id, |w| w.id).ok()
+    }
+}
+
+struct Waiter {
+    id: u64,
+    class: Criticality,
+    /// When it joined the queue, on the layer's clock.
+    since: u64,
+    tenant: Option<(u64, Key)>,
+    outcome: oneshot::Sender<Outcome>,
+}
+
+/// How a waiter leaves the queue when someone else decides it.
+pub(super) enum Outcome {
+    /// A place, handed over; `in_flight` is the count with it.
+    Admitted { place: Place, in_flight: u32 },
+    /// Shed: it had waited the target already when the queue turned standing.
+    Shed,
+}
+
+/// CoDel's judgement of a queue (Kathleen Nichols and Van Jacobson's controlled delay, as
+/// Facebook applies it to request queues). The queue's delay is the wait of its oldest
+/// request (nothing when it is empty). The queue *stands* from the end of an interval through
+/// which that delay never fell below `target`; it is healthy again from the end of an
+/// interval in which it fell below half the target (or the queue emptied). A standing queue
+/// sheds waiters at `target`, so that while it stands the delay keeps under the target: the
+/// half is the hysteresis that keeps it standing while its waiters time out (leaving it at a
+/// target and a little less), and lets it go once the queue drains. Pure: the caller says what
+/// time it is.
+#[derive(Clone, Debug)]
+pub(super) struct Codel {
+    target: u64,
+    interval: u64,
+    /// When the interval under way ends.
+    ends: u64,
+    /// The least delay seen in it.
+    least: u64,
+    /// The last look: when, and the delay then (`None`: the queue was empty).
+    last: Option<(u64, u64)>,
+    pub(super) standing: bool,
+}
+
+impl Codel {
+    pub(super) fn new(target: u64, interval: u64) -> Self {
+        Codel {
+            target,
+            interval: interval.max(1),
+            ends: 0,
+            least: 0,
+            last: None,
+            standing: false,
+        }
+    }
+
+    /// The queue's delay is `delay` at `now` (just after it changed, or when anyone looks):
+    /// judges the interval under way if it is over. Whether the queue has just turned
+    /// standing.
+    pub(super) fn observe(&mut self, now: u64, delay: Option<u64>) -> bool {
+        let was = self.standing;
+        if now >= self.ends {
+            self.judge();
+            if now - self.ends >= self.interval {
+                // Whole intervals passed without a look. The delay only grows between looks
+                // (while anyone waits), so their least was the delay at their start.
+                self.least = self
+                    .last
+                    .map_or(0, |(at, d)| d.saturating_add(self.ends.saturating_sub(at)));
+                self.judge();
+            }
+            self.ends = now.saturating_add(self.interval);
+            self.least = u64::MAX;
+        }
+        self.least = self.least.min(delay.unwrap_or(0));
+        self.last = delay.map(|d| (now, d));
+        self.standing && !was
+    }
+
+    fn judge(&mut self) {
+        self.standing = if self.standing {
+            self.least.saturating_mul(2) >= self.target
+        } else {
+            self.least >= self.target
+        };
+    }
+}
+
+/// A request's place in the queue; dropping it (its client went away) leaves the queue, and a
+/// place handed to it meanwhile goes on to the next waiter.
+struct Ticket {
+    shared: Arc<Shared>,
+    id: u64,
+    outcome: oneshot::Receiver<Outcome>,
+    /// Still in the queue, as far as it knows.
+    queued: bool,
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if !self.queued {
+            return;
+        }
+        let Some(queue) = &self.shared.queue else {
+            return;
+        };
+        let mut state = queue.state.lock();
+        if let Some(index) = state.position(self.id) {
+            queue.remove(&mut state, index);
+            let now = self.shared.clock.now();
+            self.shared.look(queue, &mut state, now);
+        }
+        // The lock is released before the receiver is dropped: a place in it is given back
+        // (to the next waiter) through the lock again.
+    }
+}
+
+impl Shared {
+    /// A request of `class` found no place: it waits in the queue if it can (the queue has
+    /// room, its deadline leaves time to wait, its tenant is within its fair share), or is
+    /// shed at once. The waiters that fit are served first, so that it cannot overtake them.
+    pub(super) fn enqueue(
+        self: &Arc<Self>,
+        queue: &Queue,
+        parts: &Parts,
+        class: Criticality,
+        tenant: Option<(u64, Key)>,
+    ) -> Result<Admitted, Criticality> {
+        let budget = self.budget(queue, parts);
+        let mut state = queue.state.lock();
+        let now = self.clock.now();
+        self.look(queue, &mut state, now);
+        self.serve(queue, &mut state, now);
+        match self.take(class, tenant.as_ref()) {
+            Ok(in_flight) => {
+                drop(state);
+                let guard = self.guard(class, Place::new(self, tenant), in_flight);
+                return Ok(Admitted::Now(Held::Shed(guard)));
+            }
+            Err(NoPlace::Unfair) => {
+                self.serve(queue, &mut state, now);
+                return Err(class);
+            }
+            Err(NoPlace::Full) => {}
+        }
+        if budget == 0 || state.waiters.len() >= queue.max {
+            return Err(class);
+        }
+        if let (Some(fair), Some((hash, key))) = (&self.fair, &tenant) {
+            // Near capacity a tenant may have its fair share in flight and waiting, no more: a
+            // noisy tenant cannot fill the queue.
+            let limit = u64::from(self.limit.load(Ordering::Relaxed));
+            let in_flight = self.in_flight.load(Ordering::SeqCst);
+            let waiting = state.tenants.get(hash).copied().unwrap_or(0);
+            let held = fair.tenants.count(key.as_str()).saturating_add(waiting);
+            if held >= self.fair_share(fair, in_flight, limit, key) {
+                return Err(class);
+            }
+        }
+        let (sender, receiver) = oneshot::channel();
+        let id = state.next_id;
+        state.next_id += 1;
+        queue.push(
+            &mut state,
+            Waiter {
+                id,
+                class,
+                since: now,
+                tenant,
+                outcome: sender,
+            },
+        );
+        // A place given back since `take` found none (by a request that saw nobody waiting)
+        // would be lost to it: serve the queue, now that it is in.
+        self.serve(queue, &mut state, now);
+        self.look(queue, &mut state, now);
+        drop(state);
+        let ticket = Ticket {
+            shared: Arc::clone(self),
+            id,
+            outcome: receiver,
+            queued: true,
+        };
+        Ok(Admitted::Later(Box::pin(wait(
+            ticket,
+            class,
+            now,
+            now.saturating_add(budget),
+        ))))
+    }
+
+    /// How long a request may wait, in nanoseconds: the queue's longest wait, or less when its
+    /// client declared a timeout (less the time the service takes to answer, so that it is not
+    /// served after its client gave up).
+    fn budget(&self, queue: &Queue, parts: &Parts) -> u64 {
+        let declared = queue
+            .deadline
+            .as_ref()
+            .and_then(|name| parts.headers.get(name))
+            .and_then(|value| parse_timeout(value.as_bytes()));
+        match declared {
+            Some(declared) => queue
+                .max_wait
+                .min(nanos(declared).saturating_sub(self.typical.load(Ordering::Relaxed))),
+            None => queue.max_wait,
+        }
+    }
+
+    /// A place was given back while requests wait: serves them.
+    pub(super) fn serve_waiters(self: &Arc<Self>) {
+        if let Some(queue) = &self.queue {
+            if queue.len() > 0 {
+                let mut state = queue.state.lock();
+                let now = self.clock.now();
+                self.look(queue, &mut state, now);
+                self.serve(queue, &mut state, now);
+            }
+        }
+    }
+
+    /// Hands places to waiters while any may take one: each time to the first, in the
+    /// discipline's order, whose class has room (and whose tenant is within its fair share).
+    fn serve(self: &Arc<Self>, queue: &Queue, state: &mut State, now: u64) {
+        while !state.waiters.is_empty() {
+            let limit = u64::from(self.limit.load(Ordering::Relaxed));
+            let in_flight = self.in_flight.load(Ordering::SeqCst);
+            if in_flight >= self.threshold(self.widest, limit) {
+                return;
+            }
+            let fits = |w: &Waiter| {
+                in_flight < self.threshold(w.class, limit)
+                    && match (&self.fair, &w.tenant) {
+                        (Some(fair), Some((_, key))) => {
+                            fair.tenants.count(key.as_str())
+                                < self.fair_share(fair, in_flight, limit, key)
+                        }
+                        _ => true,
+                    }
+            };
+            let found = if queue.newest_first(state) {
+                state.waiters.iter().rposition(fits)
+            } else {
+                state.waiters.iter().position(fits)
+            };
+            let Some(waiter) = found.and_then(|i| state.waiters.get(i).map(|w| (i, w))) else {
+                return;
+            };
+            let (index, class) = (waiter.0, waiter.1.class);
+            // Another request may have taken the place meanwhile (one that arrived while nobody
+            // waited): the next place given back serves the queue then.
+            let Ok(in_flight) = self.take(class, waiter.1.tenant.as_ref()) else {
+                return;
+            };
+            let Some(waiter) = queue.remove(state, index) else {
+                return;
+            };
+            let place = Place::new(self, waiter.tenant);
+            if let Err(Outcome::Admitted { place, .. }) =
+                waiter.outcome.send(Outcome::Admitted { place, in_flight })
+            {
+                // The waiter is gone (it cannot be: a waiter leaves the queue before it lets
+                // go of its receiver). Given back here, under the lock.
+                place.give_back_locked();
+            }
+            self.look(queue, state, now);
+        }
+    }
+
+    /// Looks at the queue at `now`: CoDel judges it; if it has just turned standing, the
+    /// waiters that have waited the target already are shed.
+    fn look(&self, queue: &Queue, state: &mut State, now: u64) {
+        let delay = state.delay(now);
+        if !state.codel.observe(now, delay) {
+            return;
+        }
+        while state
+            .waiters
+            .front()
+            .is_some_and(|w| now.saturating_sub(w.since) >= queue.target)
+        {
+            if let Some(waiter) = queue.remove(state, 0) {
+                // A waiter gone meanwhile needs no answer.
+                let _ = waiter.outcome.send(Outcome::Shed);
+            }
+        }
+        let delay = state.delay(now);
+        state.codel.observe(now, delay);
+    }
+}
+
+/// A request's wait in the queue: a place handed over, or its wait ran out (its longest wait
+/// or its deadline, or the target while the queue stands) and it is shed.
+async fn wait(
+    mut ticket: Ticket,
+    class: Criticality,
+    since: u64,
+    deadline: u64,
+) -> Result<Held, Refuse> {
+    let shared = Arc::clone(&ticket.shared);
+    let refuse = {
+        let shared = Arc::clone(&shared);
+        Box::new(move |parts: &Parts| shared.refuse(parts, class)) as Refuse
+    };
+    let Some(queue) = &shared.queue else {
+        return Err(refuse);
+    };
+    loop {
+        // Look again at the deadline, or once the request has waited the target (if that is
+        // sooner), in case the queue stands then.
+        let now = shared.clock.now();
+        let at_target = since.saturating_add(queue.target);
+        let look_at = if now < at_target {
+            at_target.min(deadline)
+        } else {
+            deadline
+        };
+        let mut sleep = pin!(tokio::time::sleep(Duration::from_nanos(
+            look_at.saturating_sub(now)
+        )));
+        let outcome = poll_fn(|cx| match Pin::new(&mut ticket.outcome).poll(cx) {
+            Poll::Ready(outcome) => Poll::Ready(Some(outcome)),
+            Poll::Pending => sleep.as_mut().poll(cx).map(|()| None),
+        })
+        .await;
+        match outcome {
+            Some(Ok(Outcome::Admitted { place, in_flight })) => {
+                ticket.queued = false;
+                return Ok(Held::Shed(shared.guard(class, place, in_flight)));
+            }
+            // Shed as the queue turned standing (or the queue let go of it: cannot happen).
+            Some(_) => {
+                ticket.queued = false;
+                queue.timed_out[class.index()].fetch_add(1, Ordering::Relaxed);
+                return Err(refuse);
+            }
+            None => {
+                let mut state = queue.state.lock();
+                let now = shared.clock.now();
+                shared.look(queue, &mut state, now);
+                let Some(index) = state.position(ticket.id) else {
+                    // Served or shed meanwhile: the outcome is in the channel.
+                    continue;
+                };
+                let waited = now.saturating_sub(since);
+                if now >= deadline || (state.codel.standing && waited >= queue.target) {
+                    queue.remove(&mut state, index);
+                    shared.look(queue, &mut state, now);
+                    ticket.queued = false;
+                    queue.timed_out[class.index()].fetch_add(1, Ordering::Relaxed);
+                    return Err(refuse);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// A queue stands once its delay stayed at the target through an interval, and not before.
+    #[test]
+    fn codel_stands_after_an_interval_at_the_target() {
+        let mut c = Codel::new(5 * MS, 100 * MS);
+        // An empty queue, then a waiter from 10 ms on: the first interval saw an empty queue.
+        assert!(!c.observe(0, None));
+        assert!(!c.observe(10 * MS, Some(0)));
+        assert!(!c.observe(60 * MS, Some(50 * MS)));
+        assert!(
+            !c.observe(100 * MS, Some(90 * MS)),
+            "the first interval saw 0"
+        );
+        assert!(!c.standing);
+        // Through [100, 200) the delay was 90 ms or more.
+        assert!(!c.observe(150 * MS, Some(140 * MS)));
+        assert!(c.observe(200 * MS, Some(190 * MS)));
+        assert!(c.standing);
+        // Already standing: not turning again.
+        assert!(!c.observe(300 * MS, Some(4 * MS)));
+        assert!(c.standing);
+    }
+
+    /// At exactly the target the queue stands (CoDel's "not below target"); a hair under, not.
+    #[test]
+    fn codel_target_is_inclusive() {
+        let mut c = Codel::new(5 * MS, 100 * MS);
+        c.observe(0, Some(5 * MS));
+        c.observe(100 * MS, Some(5 * MS));
+        assert!(c.standing);
+        let mut c = Codel::new(5 * MS, 100 * MS);
+        c.observe(0, Some(5 * MS - 1));
+        c.observe(100 * MS, Some(5 * MS));
+        assert!(!c.standing);
+    }
+
+    /// A standing queue whose waiters time out at the target keeps standing while its delay
+    /// stays at half the target or more, and is healthy after an interval below that, or
+    /// one in which it emptied.
+    #[test]
+    fn codel_hysteresis_and_recovery() {
+        let standing = || {
+            let mut c = Codel::new(10 * MS, 100 * MS);
+            c.observe(0, Some(20 * MS));
+            c.observe(100 * MS, Some(20 * MS));
+            assert!(c.standing);
+            c
+        };
+        // The delay at 5 ms (half the target) through an interval: still standing.
+        let mut c = standing();
+        c.observe(150 * MS, Some(5 * MS));
+        c.observe(200 * MS, Some(9 * MS));
+        assert!(c.standing);
+        // A hair under half: healthy.
+        let mut c = standing();
+        c.observe(150 * MS, Some(5 * MS - 1));
+        c.observe(200 * MS, Some(9 * MS));
+        assert!(!c.standing);
+        // Emptied once: healthy.
+        let mut c = standing();
+        c.observe(150 * MS, None);
+        c.observe(151 * MS, Some(0));
+        c.observe(200 * MS, Some(49 * MS));
+        assert!(!c.standing);
+        // Healthy again, it needs a whole interval at the target to stand.
+        c.observe(250 * MS, Some(99 * MS));
+        assert!(!c.standing);
+        assert!(c.observe(300 * MS, Some(149 * MS)));
+    }
+
+    /// Whole intervals without a look: the delay grew through them while anyone waited (the
+    /// queue stands) and stayed nothing while nobody did (it is healthy).
+    #[test]
+    fn codel_judges_intervals_without_looks() {
+        // One waiter from 0, nobody looks until 1 s.
+        let mut c = Codel::new(5 * MS, 100 * MS);
+        c.observe(0, Some(0));
+        assert!(c.observe(1_000 * MS, Some(1_000 * MS)));
+        // A waiter 2 ms old when the interval under way ends at 100: 2 ms at its start, under
+        // the target.
+        let mut c = Codel::new(5 * MS, 100 * MS);
+        c.observe(0, None);
+        c.observe(98 * MS, Some(0));
+        assert!(!c.observe(200 * MS, Some(102 * MS)));
+        // ... 5 ms old: at the target.
+        let mut c = Codel::new(5 * MS, 100 * MS);
+        c.observe(0, None);
+        c.observe(95 * MS, Some(0));
+        assert!(c.observe(200 * MS, Some(105 * MS)));
+        // A standing queue left empty is healthy at the next look, however late.
+        let mut c = Codel::new(5 * MS, 100 * MS);
+        c.observe(0, Some(50 * MS));
+        c.observe(100 * MS, Some(50 * MS));
+        assert!(c.standing);
+        c.observe(120 * MS, None);
+        c.observe(10_000 * MS, Some(0));
+        assert!(!c.standing);
+    }
+}
