@@ -156,8 +156,12 @@ pub struct RetryPolicy {
     shared: Arc<Shared>,
 }
 
+/// Whether a request that is neither of an idempotent method nor keyed may be retried.
+type IdempotentWhen = Arc<dyn Fn(&Method, &str, &HeaderMap) -> bool + Send + Sync>;
+
 struct Shared {
     config: Config,
+    idempotent_when: Option<IdempotentWhen>,
     budget: Option<RetryBudget>,
     rng: Rng,
     clock: TokioClock,
@@ -191,9 +195,10 @@ struct Counters {
 }
 
 /// Builds a [`RetryPolicy`]; validated by [`RetryPolicyBuilder::build`].
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct RetryPolicyBuilder {
     config: Config,
+    idempotent_when: Option<IdempotentWhen>,
     budget: Option<RetryBudget>,
     seed: Option<u64>,
 }
@@ -247,6 +252,7 @@ impl RetryPolicy {
                 inner_gave_up: false,
                 replay_limit: 64 * 1024,
             },
+            idempotent_when: None,
             budget: Some(RetryBudget::default()),
             seed: None,
         }
@@ -274,14 +280,27 @@ impl RetryPolicy {
     }
 
     /// A request is about to be sent for the first time: counts it and pays the budget its
-    /// share. `Some` when it may be sent again (an idempotent method, or an `Idempotency-Key`).
-    pub(crate) fn begin(&self, method: &Method, headers: &HeaderMap) -> Option<Attempts> {
+    /// share. `Some` when it may be sent again (an idempotent method, an `Idempotency-Key`, or
+    /// the policy's own rule).
+    pub(crate) fn begin(
+        &self,
+        method: &Method,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Option<Attempts> {
         let now = self.shared.clock.now();
         self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
         if let Some(budget) = &self.shared.budget {
             budget.deposit(now);
         }
-        (idempotent(method) || headers.contains_key(IDEMPOTENCY_KEY)).then_some(Attempts {
+        let replayable = idempotent(method)
+            || headers.contains_key(IDEMPOTENCY_KEY)
+            || self
+                .shared
+                .idempotent_when
+                .as_ref()
+                .is_some_and(|rule| rule(method, path, headers));
+        replayable.then_some(Attempts {
             started: now,
             retries: 0,
             last_wait: self.shared.config.base,
@@ -437,6 +456,17 @@ impl fmt::Debug for RetryPolicy {
     }
 }
 
+impl fmt::Debug for RetryPolicyBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryPolicyBuilder")
+            .field("config", &self.config)
+            .field("idempotent_when", &self.idempotent_when.is_some())
+            .field("budget", &self.budget)
+            .field("seed", &self.seed)
+            .finish()
+    }
+}
+
 impl RetryPolicyBuilder {
     /// How many times a request may be sent in all, the first time included (1 to 100; 1
     /// never retries). Default 3.
@@ -508,6 +538,18 @@ impl RetryPolicyBuilder {
         self
     }
 
+    /// Also treat as idempotent the requests for which `rule(method, path, headers)` is true.
+    /// gRPC calls are all POSTs: name the methods that are safe to call twice, for instance
+    /// `|_, path, _| path.starts_with("/inventory.Catalog/Get")`. (A request with an
+    /// `Idempotency-Key` header, or gRPC metadata of that name, is retried without a rule.)
+    pub fn idempotent_when<F>(mut self, rule: F) -> Self
+    where
+        F: Fn(&Method, &str, &HeaderMap) -> bool + Send + Sync + 'static,
+    {
+        self.idempotent_when = Some(Arc::new(rule));
+        self
+    }
+
     /// Retry answers that an inner retry layer already gave up on (they carry a [`GaveUp`]).
     /// Default no: only the layer nearest the failing service retries, so that three nested
     /// layers put about 1.1 times the calls on it instead of 1.1³.
@@ -551,6 +593,7 @@ impl RetryPolicyBuilder {
         RetryPolicy {
             shared: Arc::new(Shared {
                 config: self.config,
+                idempotent_when: self.idempotent_when,
                 budget: self.budget,
                 rng: Rng::new(self.seed.unwrap_or_else(Rng::entropy)),
                 clock: TokioClock::new(),
@@ -615,14 +658,27 @@ mod tests {
         let p = RetryPolicy::default();
         let none = HeaderMap::new();
         for m in ["GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"] {
-            assert!(p.begin(&m.parse().unwrap(), &none).is_some(), "{m}");
+            assert!(p.begin(&m.parse().unwrap(), "/", &none).is_some(), "{m}");
         }
         for m in ["POST", "PATCH", "CONNECT", "PURGE"] {
-            assert!(p.begin(&m.parse().unwrap(), &none).is_none(), "{m}");
+            assert!(p.begin(&m.parse().unwrap(), "/", &none).is_none(), "{m}");
         }
         let keyed = headers(&[("idempotency-key", "8e03978e-40d5-43e8-bc93-6894a57f9324")]);
-        assert!(p.begin(&Method::POST, &keyed).is_some());
+        assert!(p.begin(&Method::POST, "/", &keyed).is_some());
         assert_eq!(p.stats().requests, 11);
+        let grpc = policy(RetryPolicy::builder().idempotent_when(|m, path, _| {
+            m == Method::POST && path.starts_with("/catalog.Catalog/Get")
+        }));
+        assert!(
+            grpc.begin(&Method::POST, "/catalog.Catalog/GetItem", &none)
+                .is_some()
+        );
+        assert!(
+            grpc.begin(&Method::POST, "/catalog.Catalog/PutItem", &none)
+                .is_none()
+        );
+        assert!(grpc.begin(&Method::GET, "/anything", &none).is_some());
+        assert!(format!("{:?}", RetryPolicy::builder()).contains("idempotent_when: false"));
     }
 
     #[test]
@@ -731,13 +787,13 @@ mod tests {
         let r = |a: &mut Attempts, s: u16, h: &HeaderMap| {
             p.after_response(Some(a), StatusCode::from_u16(s).unwrap(), h, false)
         };
-        let mut a = p.begin(&Method::GET, &none).unwrap();
+        let mut a = p.begin(&Method::GET, "/", &none).unwrap();
         assert_eq!(r(&mut a, 200, &none), Next::Done);
         assert_eq!(r(&mut a, 503, &none), Next::Retry(200 * MS));
         assert_eq!(r(&mut a, 503, &none), Next::Retry(400 * MS));
         assert_eq!(r(&mut a, 503, &none), Next::GiveUp(GiveUp::Attempts));
         // The server's word: stop, or a wait.
-        let mut a = p.begin(&Method::GET, &none).unwrap();
+        let mut a = p.begin(&Method::GET, "/", &none).unwrap();
         let stop = headers(&[("grpc-retry-pushback-ms", "-1")]);
         assert_eq!(r(&mut a, 429, &stop), Next::GiveUp(GiveUp::Stop));
         let after = |s: &str| headers(&[("retry-after", s)]);
@@ -745,7 +801,7 @@ mod tests {
         // The deadline (30 s from the first attempt) is inclusive.
         tokio::time::advance(Duration::from_secs(27)).await;
         assert_eq!(r(&mut a, 429, &after("3")), Next::Retry(3000 * MS));
-        let mut a = p.begin(&Method::GET, &none).unwrap();
+        let mut a = p.begin(&Method::GET, "/", &none).unwrap();
         assert_eq!(r(&mut a, 429, &after("31")), Next::GiveUp(GiveUp::Deadline));
         // Not replayable, or already given up on inside.
         assert_eq!(
@@ -781,7 +837,7 @@ mod tests {
                 .retry_what_inner_layers_gave_up(true)
                 .retry_errors(true),
         );
-        let mut a = again.begin(&Method::GET, &none).unwrap();
+        let mut a = again.begin(&Method::GET, "/", &none).unwrap();
         assert!(matches!(
             again.after_response(Some(&mut a), StatusCode::SERVICE_UNAVAILABLE, &none, true),
             Next::Retry(_)
@@ -799,7 +855,7 @@ mod tests {
         let budget = RetryBudget::new(0, 1, Duration::from_secs(1)).unwrap();
         let p = policy(RetryPolicy::builder().budget(budget).max_attempts(10));
         let none = HeaderMap::new();
-        let mut a = p.begin(&Method::GET, &none).unwrap();
+        let mut a = p.begin(&Method::GET, "/", &none).unwrap();
         // A hint past the deadline costs nothing from the budget.
         let far = headers(&[("retry-after", "60")]);
         let r = |a: &mut Attempts, h: &HeaderMap| {

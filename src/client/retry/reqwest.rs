@@ -51,7 +51,7 @@ impl Middleware for RetryMiddleware {
         next: Next<'_>,
     ) -> Result<Response> {
         let policy = &self.policy;
-        let mut attempts = policy.begin(request.method(), request.headers());
+        let mut attempts = policy.begin(request.method(), request.url().path(), request.headers());
         let mut request = request;
         loop {
             let copy = attempts.as_ref().and_then(|_| request.try_clone());

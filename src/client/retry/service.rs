@@ -49,7 +49,10 @@ where
         // The ready service goes into the future; a clone stays for the next call.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let Some(attempts) = self.policy.begin(request.method(), request.headers()) else {
+        let Some(attempts) =
+            self.policy
+                .begin(request.method(), request.uri().path(), request.headers())
+        else {
             let future = inner.call(request);
             return ResponseFuture::once(future, self.policy.clone());
         };
