@@ -428,5 +428,36 @@ mod tests {
         assert!(!first.is_end_stream());
         assert_eq!(first.size_hint().lower(), 1);
         assert_eq!(first.collect().await.unwrap_err(), "broken");
+        // An error before any data is not the end of the body either.
+        let (first, _) = Replay::read_ahead(
+            Frames(vec![Err("broken")]).boxed_unsync(),
+            10,
+            UnsyncBoxBody::new,
+        );
+        assert!(!first.is_end_stream());
+        assert_eq!(first.collect().await.unwrap_err(), "broken");
+    }
+
+    #[test]
+    fn read_ahead_shows_what_it_holds() {
+        let body = ReadAhead::<Full<Bytes>>::new(Bytes::from_static(b"ab"), None, None, None);
+        assert_eq!(
+            format!("{body:?}"),
+            "ReadAhead { data: Some(2), trailers: false, rest: false, .. }"
+        );
+        assert!(!body.is_end_stream());
+        let done = ReadAhead::<Full<Bytes>>::new(Bytes::new(), None, None, None);
+        assert!(done.is_end_stream());
+        let trailers =
+            ReadAhead::<Full<Bytes>>::new(Bytes::new(), Some(HeaderMap::new()), None, None);
+        assert!(!trailers.is_end_stream());
+        let rest = ReadAhead::new(
+            Bytes::new(),
+            None,
+            None,
+            Some(Full::new(Bytes::from_static(b"x"))),
+        );
+        assert!(!rest.is_end_stream());
+        assert_eq!(rest.size_hint().exact(), Some(1));
     }
 }
