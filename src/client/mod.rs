@@ -3,7 +3,12 @@
 //! - [`ServerHints`] reads what a response says about calling again: `Retry-After` (both
 //!   forms), gRPC's `grpc-retry-pushback-ms`, the IETF `RateLimit` / `RateLimit-Policy` fields
 //!   (parsed as Structured Fields) and the legacy `X-RateLimit-*` trio.
+//! - [`throttle`]: [`AdaptiveThrottleLayer`], Google SRE's client-side adaptive throttling:
+//!   refuse locally, with a probability, while the backend refuses most requests.
 
 mod hints;
+mod local;
+pub mod throttle;
 
 pub use hints::{MAX_HINT, Pushback, Quota, RetryHint, ServerHints};
+pub use throttle::AdaptiveThrottleLayer;
