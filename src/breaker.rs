@@ -123,6 +123,7 @@ impl<C: Clock> Breaker<C> {
 
     /// How long until the next probe may go: zero when closed or due, `open_for` while a probe
     /// is in flight (its failure would open the breaker for that long), `None` if never.
+    #[cfg_attr(not(feature = "client"), allow(dead_code))]
     pub(crate) fn next_probe_in(&self) -> Option<Duration> {
         match self.state() {
             BreakerState::Closed { .. } => Some(Duration::ZERO),

@@ -5,10 +5,15 @@
 //!   (parsed as Structured Fields) and the legacy `X-RateLimit-*` trio.
 //! - [`throttle`]: [`AdaptiveThrottleLayer`], Google SRE's client-side adaptive throttling:
 //!   refuse locally, with a probability, while the backend refuses most requests.
+//! - [`breaker`]: [`CircuitBreakerLayer`], after a run of failures stop calling for a while,
+//!   then let one trial call through (the breaker of
+//!   [`ResilientStore`](crate::store::ResilientStore)).
 
+pub mod breaker;
 mod hints;
 mod local;
 pub mod throttle;
 
 pub use hints::{MAX_HINT, Pushback, Quota, RetryHint, ServerHints};
+pub use breaker::CircuitBreakerLayer;
 pub use throttle::AdaptiveThrottleLayer;
