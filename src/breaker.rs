@@ -128,9 +128,9 @@ impl<C: Clock> Breaker<C> {
         match self.state() {
             BreakerState::Closed { .. } => Some(Duration::ZERO),
             BreakerState::Open { until: None } => None,
-            BreakerState::Open { until: Some(until) } => Some(Duration::from_nanos(
-                until.saturating_sub(self.clock.now()),
-            )),
+            BreakerState::Open { until: Some(until) } => {
+                Some(Duration::from_nanos(until.saturating_sub(self.clock.now())))
+            }
             BreakerState::HalfOpen { .. } => Some(self.open_for),
         }
     }

@@ -107,11 +107,18 @@ mod tests {
         let mut headers = HeaderMap::new();
         assert!(refused_by_server(StatusCode::TOO_MANY_REQUESTS, &headers));
         assert!(refused_by_server(StatusCode::SERVICE_UNAVAILABLE, &headers));
-        assert!(!refused_by_server(StatusCode::INTERNAL_SERVER_ERROR, &headers));
+        assert!(!refused_by_server(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &headers
+        ));
         assert!(!refused_by_server(StatusCode::OK, &headers));
         for (code, refused) in [("8", true), (" 14", true), ("13", false), ("x", false)] {
             headers.insert(GRPC_STATUS, HeaderValue::from_static(code));
-            assert_eq!(refused_by_server(StatusCode::OK, &headers), refused, "{code}");
+            assert_eq!(
+                refused_by_server(StatusCode::OK, &headers),
+                refused,
+                "{code}"
+            );
         }
     }
 
@@ -129,7 +136,10 @@ mod tests {
             key("http://A.example:80/x", None),
             key("/y", Some("a.example:80"))
         );
-        assert_ne!(key("http://a.example/", None), key("http://b.example/", None));
+        assert_ne!(
+            key("http://a.example/", None),
+            key("http://b.example/", None)
+        );
         assert_eq!(key("/", None), authority_key("", &hasher));
         assert_eq!(key("/", Some("B:1")), authority_key("b:1", &hasher));
     }

@@ -8,12 +8,16 @@
 //! - [`breaker`]: [`CircuitBreakerLayer`], after a run of failures stop calling for a while,
 //!   then let one trial call through (the breaker of
 //!   [`ResilientStore`](crate::store::ResilientStore)).
+//! - [`pace`]: [`PaceLayer`], pacing from the `RateLimit` fields: space requests so that the
+//!   quota left lasts until it resets, and wait out a refusal's hint.
 
 pub mod breaker;
 mod hints;
 mod local;
+pub mod pace;
 pub mod throttle;
 
-pub use hints::{MAX_HINT, Pushback, Quota, RetryHint, ServerHints};
 pub use breaker::CircuitBreakerLayer;
+pub use hints::{MAX_HINT, Pushback, Quota, RetryHint, ServerHints};
+pub use pace::PaceLayer;
 pub use throttle::AdaptiveThrottleLayer;

@@ -74,11 +74,6 @@ where
         // The ready service goes into the future; a clone stays for the next call.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::called(
-            inner.call(request),
-            Arc::clone(&self.shared),
-            permit,
-            guard,
-        )
+        ResponseFuture::called(inner.call(request), Arc::clone(&self.shared), permit, guard)
     }
 }

@@ -90,9 +90,13 @@ impl<C: Clock> AdaptiveThrottleLayer<C> {
         let mut windows = self.shared.windows.lock();
         match &mut *windows {
             Windows::One(w) => w.counts(now),
-            Windows::Keyed { map, .. } => map
-                .get_mut(&key)
-                .map_or(WindowCounts { requests: 0, accepts: 0 }, |w| w.counts(now)),
+            Windows::Keyed { map, .. } => map.get_mut(&key).map_or(
+                WindowCounts {
+                    requests: 0,
+                    accepts: 0,
+                },
+                |w| w.counts(now),
+            ),
         }
     }
 
@@ -298,7 +302,10 @@ impl AdaptiveThrottleLayerBuilder {
 
 enum Windows {
     One(Window),
-    Keyed { map: HashMap<u64, Window>, max: usize },
+    Keyed {
+        map: HashMap<u64, Window>,
+        max: usize,
+    },
 }
 
 pub(crate) struct Shared<C> {
@@ -321,15 +328,15 @@ pub(crate) struct Shared<C> {
 impl<C: Clock> Shared<C> {
     /// The key of a request's backend when keyed by authority (else 0, unused).
     pub(crate) fn key<B>(&self, request: &http::Request<B>) -> u64 {
-        self.keyed
-            .as_ref()
-            .map_or(0, |hasher| crate::client::local::server_key(request, hasher))
+        self.keyed.as_ref().map_or(0, |hasher| {
+            crate::client::local::server_key(request, hasher)
+        })
     }
 
     fn key_of(&self, authority: &str) -> u64 {
-        self.keyed
-            .as_ref()
-            .map_or(0, |hasher| crate::client::local::authority_key(authority, hasher))
+        self.keyed.as_ref().map_or(0, |hasher| {
+            crate::client::local::authority_key(authority, hasher)
+        })
     }
 
     /// A draw uniform over the `u64`s (SplitMix64).
@@ -368,7 +375,10 @@ impl<C: Clock> Shared<C> {
             Windows::Keyed { map, max } => {
                 if !map.contains_key(&key) && map.len() >= *max {
                     // Forget the backend idle longest (a scan, only at capacity).
-                    let idle = map.iter().min_by_key(|(_, w)| w.last_seen()).map(|(k, _)| *k);
+                    let idle = map
+                        .iter()
+                        .min_by_key(|(_, w)| w.last_seen())
+                        .map(|(k, _)| *k);
                     if let Some(idle) = idle {
                         map.remove(&idle);
                     }

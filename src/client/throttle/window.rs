@@ -94,7 +94,8 @@ impl Window {
     pub(crate) fn request(&mut self, now: u64, draw: u64, k_milli: u64) -> bool {
         let i = self.advance(now);
         let requests = u128::from(self.requests);
-        let excess = (requests * 1000).saturating_sub(u128::from(k_milli) * u128::from(self.accepts));
+        let excess =
+            (requests * 1000).saturating_sub(u128::from(k_milli) * u128::from(self.accepts));
         let scaled = (u128::from(draw) * ((requests + 1) * 1000)) >> 64;
         self.slots[i].0 += 1;
         self.requests += 1;
@@ -142,7 +143,13 @@ mod tests {
         assert_eq!(w.counts(4 * S).requests, 2);
         assert_eq!(w.last_seen(), 4 * S);
         // A jump of a whole window forgets everything.
-        assert_eq!(w.counts(100 * S), WindowCounts { requests: 0, accepts: 0 });
+        assert_eq!(
+            w.counts(100 * S),
+            WindowCounts {
+                requests: 0,
+                accepts: 0
+            }
+        );
         assert_eq!(w.counts(5 * S).requests, 0);
     }
 
@@ -172,6 +179,12 @@ mod tests {
         assert!(!w.request(0, 0, 1000));
         w.accept(0);
         w.accept(0);
-        assert_eq!(w.counts(0), WindowCounts { requests: 1, accepts: 1 });
+        assert_eq!(
+            w.counts(0),
+            WindowCounts {
+                requests: 1,
+                accepts: 1
+            }
+        );
     }
 }
