@@ -39,6 +39,7 @@ pub struct ReadmeDoctests;
 
 pub mod algorithm;
 pub mod answer;
+mod breaker;
 #[cfg(feature = "client")]
 pub mod client;
 pub mod clock;

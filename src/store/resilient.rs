@@ -57,10 +57,16 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+// The tests time the breaker on tokio's clock.
+#[cfg(test)]
 use tokio::time::Instant;
 
 use super::{Check, MemoryStore, NOTHING_TO_CHECK, Store, StoreError};
+use crate::breaker::{Breaker, Permit, ProbeGuard};
+use crate::clock::TokioClock;
 use crate::{Algorithm, Decision, Policy, Rate};
+
+pub use crate::breaker::BreakerStatus;
 
 /// The default per-call timeout of a [`ResilientStore`].
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_millis(250);
@@ -111,66 +117,6 @@ struct Counters {
     breaker_opened: AtomicU64,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BreakerState {
-    Closed {
-        failures: u32,
-    },
-    /// No call goes to the store before `until`; with `None`, never (an `open_for` beyond what
-    /// the clock can represent).
-    Open {
-        until: Option<Instant>,
-    },
-    /// The probe numbered `probe` is in flight.
-    HalfOpen {
-        probe: u64,
-    },
-}
-
-#[derive(Debug)]
-struct Breaker {
-    state: BreakerState,
-    /// Probes started so far: numbers each half-open state, so that a probe that ends without
-    /// an answer re-arms only its own half-open state, never a later one.
-    probes: u64,
-    /// Changes of state so far. A call remembers the epoch it was sent in, and its answer
-    /// moves the breaker only if no change happened since: a call sent before the breaker
-    /// opened cannot close it afterwards, nor one sent before a probe closed it open it
-    /// again (a store slower than `open_for` would otherwise flap the breaker).
-    epoch: u64,
-}
-
-impl Breaker {
-    fn set(&mut self, state: BreakerState) {
-        if std::mem::discriminant(&state) != std::mem::discriminant(&self.state) {
-            self.epoch = self.epoch.wrapping_add(1);
-        }
-        self.state = state;
-    }
-}
-
-/// Whether a call may go to the store.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Permit {
-    /// A call, in this epoch.
-    Call(u64),
-    /// The probe with this number.
-    Probe(u64),
-    Refuse,
-}
-
-/// The breaker's state, as [`ResilientStore::breaker_state`] reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum BreakerStatus {
-    /// Calls go to the store.
-    Closed,
-    /// Calls do not go to the store (until the next probe).
-    Open,
-    /// One probe call is in flight; the others do not go to the store.
-    HalfOpen,
-}
-
 /// Called for every call answered by the failure policy (see
 /// [`ResilientStoreBuilder::on_failure`]).
 type FailureHook = Arc<dyn Fn(&StoreError) + Send + Sync>;
@@ -180,9 +126,7 @@ struct Shared<S> {
     hook: Option<FailureHook>,
     timeout: Duration,
     policy: FailurePolicy,
-    threshold: u32,
-    open_for: Duration,
-    breaker: Mutex<Breaker>,
+    breaker: Arc<Breaker<TokioClock>>,
     fallback: MemoryStore,
     instances: u64,
     divided: Mutex<HashMap<u64, Policy>>,
@@ -208,7 +152,7 @@ impl<S> fmt::Debug for ResilientStore<S> {
         f.debug_struct("ResilientStore")
             .field("timeout", &self.shared.timeout)
             .field("policy", &self.shared.policy)
-            .field("breaker", &self.shared.breaker.lock().state)
+            .field("breaker", &self.shared.breaker.state())
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
@@ -263,11 +207,7 @@ impl<S> ResilientStore<S> {
 
     /// The breaker's state now.
     pub fn breaker_state(&self) -> BreakerStatus {
-        match self.shared.breaker.lock().state {
-            BreakerState::Closed { .. } => BreakerStatus::Closed,
-            BreakerState::Open { .. } => BreakerStatus::Open,
-            BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen,
-        }
+        self.shared.breaker.status()
     }
 }
 
@@ -285,17 +225,11 @@ impl<S: Store> ResilientStore<S> {
                 };
             }
         }
-        let permit = shared.permit();
+        let permit = shared.breaker.permit();
         // Made before anything can panic or return, the inner store's `check_all` included,
         // so that a probe that ends without an answer (a panic, a future dropped unpolled or
         // mid-flight) hands the probe to the next call instead of holding the breaker half-open.
-        let probe = ProbeGuard {
-            shared: Arc::clone(&shared),
-            probe: match permit {
-                Permit::Probe(n) => Some(n),
-                Permit::Call(_) | Permit::Refuse => None,
-            },
-        };
+        let probe = ProbeGuard::new(Arc::clone(&shared.breaker), permit);
         let owned: Vec<(String, Policy, u64)> = match shared.policy {
             FailurePolicy::LocalFallback => checks
                 .iter()
@@ -322,7 +256,7 @@ impl<S: Store> ResilientStore<S> {
                     }
                     Some(call) => match tokio::time::timeout(shared.timeout, call).await {
                         Ok(Ok(decision)) if decision.reached_backend() => {
-                            shared.success(permit);
+                            shared.breaker.success(permit);
                             return Ok(decision);
                         }
                         Ok(Ok(decision)) => {
@@ -356,105 +290,13 @@ impl<S: Store> ResilientStore<S> {
     }
 }
 
-/// Holds a probe's number while it is in flight, and releases it when the probe ends. A probe
-/// answered by the backend has moved the breaker by then (`success` or `failure`), so the
-/// release finds nothing to do. One answered without the backend (locally, or with a caller
-/// error) leaves its half-open state with the probe due at once, so that the next call probes.
-/// One dropped or panicked before its answer reopens the breaker for `open_for`: the store may
-/// well be hanging, and a caller that gives up early must not make every request a probe.
-struct ProbeGuard<S> {
-    shared: Arc<Shared<S>>,
-    probe: Option<u64>,
-}
-
-impl<S> ProbeGuard<S> {
-    /// The probe got an answer that says nothing of the backend: the next call probes.
-    fn release(&mut self) {
-        if let Some(probe) = self.probe.take() {
-            self.shared.release(probe, Duration::ZERO);
-        }
-    }
-}
-
-impl<S> Drop for ProbeGuard<S> {
-    fn drop(&mut self) {
-        if let Some(probe) = self.probe.take() {
-            self.shared.release(probe, self.shared.open_for);
-        }
-    }
-}
-
 impl<S> Shared<S> {
-    fn permit(&self) -> Permit {
-        let mut breaker = self.breaker.lock();
-        match breaker.state {
-            BreakerState::Closed { .. } => Permit::Call(breaker.epoch),
-            BreakerState::Open { until: Some(until) } if Instant::now() >= until => {
-                breaker.probes = breaker.probes.wrapping_add(1);
-                let probe = breaker.probes;
-                breaker.set(BreakerState::HalfOpen { probe });
-                Permit::Probe(probe)
-            }
-            BreakerState::Open { .. } | BreakerState::HalfOpen { .. } => Permit::Refuse,
-        }
-    }
-
-    /// Re-arms the breaker, the next probe due after `wait`, if it is still in the half-open
-    /// state of `probe` (a compare and swap: a breaker that another call has closed or opened
-    /// since is left alone).
-    fn release(&self, probe: u64, wait: Duration) {
-        let mut breaker = self.breaker.lock();
-        if breaker.state == (BreakerState::HalfOpen { probe }) {
-            breaker.set(BreakerState::Open {
-                until: Instant::now().checked_add(wait),
-            });
-        }
-    }
-
-    /// Whether the answer to a call sent with `permit` may move the breaker: a probe's while
-    /// its half-open state lasts, a call's while the epoch it was sent in lasts.
-    fn current(breaker: &Breaker, permit: Permit) -> bool {
-        match permit {
-            Permit::Call(epoch) => epoch == breaker.epoch,
-            Permit::Probe(probe) => breaker.state == (BreakerState::HalfOpen { probe }),
-            Permit::Refuse => false,
-        }
-    }
-
-    /// An answer from the backend: the store works.
-    fn success(&self, permit: Permit) {
-        let mut breaker = self.breaker.lock();
-        if Self::current(&breaker, permit)
-            && breaker.state != (BreakerState::Closed { failures: 0 })
-        {
-            breaker.set(BreakerState::Closed { failures: 0 });
-        }
-    }
-
     fn failure(&self, permit: Permit, timeout: bool) {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
         if timeout {
             self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
-        let mut breaker = self.breaker.lock();
-        if !Self::current(&breaker, permit) {
-            return;
-        }
-        let open = match breaker.state {
-            BreakerState::Closed { failures } => {
-                let failures = failures.saturating_add(1);
-                breaker.state = BreakerState::Closed { failures };
-                failures >= self.threshold
-            }
-            // A failed probe.
-            BreakerState::HalfOpen { .. } => true,
-            BreakerState::Open { .. } => false,
-        };
-        if open {
-            breaker.set(BreakerState::Open {
-                // Saturated: an `open_for` beyond the clock's range never probes.
-                until: Instant::now().checked_add(self.open_for),
-            });
+        if self.breaker.failure(permit) {
             self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -661,13 +503,11 @@ impl<S: Store> ResilientStoreBuilder<S> {
                 store: self.store,
                 timeout: self.timeout,
                 policy: self.policy,
-                threshold: self.threshold,
-                open_for: self.open_for,
-                breaker: Mutex::new(Breaker {
-                    state: BreakerState::Closed { failures: 0 },
-                    probes: 0,
-                    epoch: 0,
-                }),
+                breaker: Arc::new(Breaker::new(
+                    TokioClock::new(),
+                    self.threshold,
+                    self.open_for,
+                )),
                 fallback: self.fallback.unwrap_or_default(),
                 instances: self.instances,
                 hook: self.hook,

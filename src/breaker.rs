@@ -1,0 +1,311 @@
+//! The circuit breaker that [`ResilientStore`](crate::store::ResilientStore) (around a store) and
+//! `client::CircuitBreakerLayer` (around an outbound service) share.
+//!
+//! Closed: calls go through and consecutive failures are counted; `threshold` of them in a row
+//! open it. Open: no call goes through until `open_for` has passed. Then one call at a time
+//! probes: a success closes the breaker, a failure opens it again for `open_for`.
+//!
+//! The owner decides what a success and a failure are; the breaker only counts. Answers that say
+//! nothing about the backend are neither: they leave the count as it is, and a probe answered
+//! that way hands the probe to the next call ([`ProbeGuard::release`]).
+//!
+//! Time is read through a [`Clock`], in nanoseconds; an `open_for` that the clock cannot add
+//! (beyond `u64::MAX` nanoseconds from now, about 584 years) never probes again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use crate::clock::Clock;
+
+/// The breaker's state, as it is reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BreakerStatus {
+    /// Calls go through.
+    Closed,
+    /// Calls do not go through (until the next probe).
+    Open,
+    /// One probe call is in flight; the others do not go through.
+    HalfOpen,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BreakerState {
+    Closed {
+        failures: u32,
+    },
+    /// No call goes through before `until` (the clock's nanoseconds); with `None`, never (an
+    /// `open_for` beyond what the clock can represent).
+    Open {
+        until: Option<u64>,
+    },
+    /// The probe numbered `probe` is in flight.
+    HalfOpen {
+        probe: u64,
+    },
+}
+
+#[derive(Debug)]
+struct Machine {
+    state: BreakerState,
+    /// Probes started so far: numbers each half-open state, so that a probe that ends without
+    /// an answer re-arms only its own half-open state, never a later one.
+    probes: u64,
+    /// Changes of state so far. A call remembers the epoch it was sent in, and its answer
+    /// moves the breaker only if no change happened since: a call sent before the breaker
+    /// opened cannot close it afterwards, nor one sent before a probe closed it open it
+    /// again (a backend slower than `open_for` would otherwise flap the breaker).
+    epoch: u64,
+}
+
+impl Machine {
+    fn set(&mut self, state: BreakerState) {
+        if std::mem::discriminant(&state) != std::mem::discriminant(&self.state) {
+            self.epoch = self.epoch.wrapping_add(1);
+        }
+        self.state = state;
+    }
+}
+
+/// Whether a call may go through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Permit {
+    /// A call, in this epoch.
+    Call(u64),
+    /// The probe with this number.
+    Probe(u64),
+    Refuse,
+}
+
+/// A circuit breaker on a clock.
+#[derive(Debug)]
+pub(crate) struct Breaker<C> {
+    clock: C,
+    threshold: u32,
+    open_for: Duration,
+    machine: Mutex<Machine>,
+}
+
+fn nanos(d: Duration) -> Option<u64> {
+    u64::try_from(d.as_nanos()).ok()
+}
+
+impl<C: Clock> Breaker<C> {
+    /// Closed; opens after `threshold` (at least 1) consecutive failures, for `open_for`.
+    pub(crate) fn new(clock: C, threshold: u32, open_for: Duration) -> Self {
+        Self {
+            clock,
+            threshold: threshold.max(1),
+            open_for,
+            machine: Mutex::new(Machine {
+                state: BreakerState::Closed { failures: 0 },
+                probes: 0,
+                epoch: 0,
+            }),
+        }
+    }
+
+    /// The state now.
+    pub(crate) fn state(&self) -> BreakerState {
+        self.machine.lock().state
+    }
+
+    /// The state now, as reported.
+    pub(crate) fn status(&self) -> BreakerStatus {
+        match self.state() {
+            BreakerState::Closed { .. } => BreakerStatus::Closed,
+            BreakerState::Open { .. } => BreakerStatus::Open,
+            BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen,
+        }
+    }
+
+    /// How long until the next probe may go: zero when closed or due, `open_for` while a probe
+    /// is in flight (its failure would open the breaker for that long), `None` if never.
+    #[cfg_attr(not(feature = "client"), allow(dead_code))]
+    pub(crate) fn next_probe_in(&self) -> Option<Duration> {
+        match self.state() {
+            BreakerState::Closed { .. } => Some(Duration::ZERO),
+            BreakerState::Open { until: None } => None,
+            BreakerState::Open { until: Some(until) } => {
+                Some(Duration::from_nanos(until.saturating_sub(self.clock.now())))
+            }
+            BreakerState::HalfOpen { .. } => Some(self.open_for),
+        }
+    }
+
+    /// Whether a call may go through now; the first call after `open_for` is the probe.
+    pub(crate) fn permit(&self) -> Permit {
+        let mut machine = self.machine.lock();
+        match machine.state {
+            BreakerState::Closed { .. } => Permit::Call(machine.epoch),
+            BreakerState::Open { until: Some(until) } if self.clock.now() >= until => {
+                machine.probes = machine.probes.wrapping_add(1);
+                let probe = machine.probes;
+                machine.set(BreakerState::HalfOpen { probe });
+                Permit::Probe(probe)
+            }
+            BreakerState::Open { .. } | BreakerState::HalfOpen { .. } => Permit::Refuse,
+        }
+    }
+
+    /// Now plus `wait`, or `None` beyond the clock's range.
+    fn after(&self, wait: Duration) -> Option<u64> {
+        nanos(wait).and_then(|wait| self.clock.now().checked_add(wait))
+    }
+
+    /// Re-arms the breaker, the next probe due after `wait`, if it is still in the half-open
+    /// state of `probe` (a compare and swap: a breaker that another call has closed or opened
+    /// since is left alone).
+    pub(crate) fn release(&self, probe: u64, wait: Duration) {
+        let mut machine = self.machine.lock();
+        if machine.state == (BreakerState::HalfOpen { probe }) {
+            let until = self.after(wait);
+            machine.set(BreakerState::Open { until });
+        }
+    }
+
+    /// Whether the answer to a call sent with `permit` may move the breaker: a probe's while
+    /// its half-open state lasts, a call's while the epoch it was sent in lasts.
+    fn current(machine: &Machine, permit: Permit) -> bool {
+        match permit {
+            Permit::Call(epoch) => epoch == machine.epoch,
+            Permit::Probe(probe) => machine.state == (BreakerState::HalfOpen { probe }),
+            Permit::Refuse => false,
+        }
+    }
+
+    /// An answer from the backend: it works.
+    pub(crate) fn success(&self, permit: Permit) {
+        let mut machine = self.machine.lock();
+        if Self::current(&machine, permit)
+            && machine.state != (BreakerState::Closed { failures: 0 })
+        {
+            machine.set(BreakerState::Closed { failures: 0 });
+        }
+    }
+
+    /// A failure of the backend; true if it opened the breaker.
+    pub(crate) fn failure(&self, permit: Permit) -> bool {
+        let mut machine = self.machine.lock();
+        if !Self::current(&machine, permit) {
+            return false;
+        }
+        let open = match machine.state {
+            BreakerState::Closed { failures } => {
+                let failures = failures.saturating_add(1);
+                machine.state = BreakerState::Closed { failures };
+                failures >= self.threshold
+            }
+            // A failed probe.
+            BreakerState::HalfOpen { .. } => true,
+            BreakerState::Open { .. } => false,
+        };
+        if open {
+            // Saturated: an `open_for` beyond the clock's range never probes.
+            let until = self.after(self.open_for);
+            machine.set(BreakerState::Open { until });
+        }
+        open
+    }
+}
+
+/// Holds a probe's number while it is in flight, and releases it when the probe ends. A probe
+/// answered by the backend has moved the breaker by then (`success` or `failure`), so the
+/// release finds nothing to do. One answered without the backend (locally, or with a caller
+/// error) leaves its half-open state with the probe due at once, so that the next call probes.
+/// One dropped or panicked before its answer reopens the breaker for `open_for`: the backend
+/// may well be hanging, and a caller that gives up early must not make every call a probe.
+#[derive(Debug)]
+pub(crate) struct ProbeGuard<C: Clock> {
+    breaker: Arc<Breaker<C>>,
+    probe: Option<u64>,
+}
+
+impl<C: Clock> ProbeGuard<C> {
+    /// Guards the probe of `permit`, if it is one. Make it before anything can panic or return,
+    /// the call itself included.
+    pub(crate) fn new(breaker: Arc<Breaker<C>>, permit: Permit) -> Self {
+        let probe = match permit {
+            Permit::Probe(n) => Some(n),
+            Permit::Call(_) | Permit::Refuse => None,
+        };
+        Self { breaker, probe }
+    }
+
+    /// The probe got an answer that says nothing of the backend: the next call probes.
+    pub(crate) fn release(&mut self) {
+        if let Some(probe) = self.probe.take() {
+            self.breaker.release(probe, Duration::ZERO);
+        }
+    }
+}
+
+impl<C: Clock> Drop for ProbeGuard<C> {
+    fn drop(&mut self) {
+        if let Some(probe) = self.probe.take() {
+            self.breaker.release(probe, self.breaker.open_for);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    fn breaker() -> (Arc<Breaker<ManualClock>>, ManualClock) {
+        let clock = ManualClock::new();
+        let b = Breaker::new(clock.clone(), 2, Duration::from_secs(3));
+        (Arc::new(b), clock)
+    }
+
+    #[test]
+    fn opens_after_the_run_probes_once_and_closes() {
+        let (b, clock) = breaker();
+        assert_eq!(b.next_probe_in(), Some(Duration::ZERO));
+        let p = b.permit();
+        assert!(!b.failure(p));
+        assert!(b.failure(b.permit()));
+        assert_eq!(b.status(), BreakerStatus::Open);
+        assert_eq!(b.permit(), Permit::Refuse);
+        clock.advance(Duration::from_secs(1));
+        assert_eq!(b.next_probe_in(), Some(Duration::from_secs(2)));
+        clock.advance(Duration::from_secs(2));
+        let probe = b.permit();
+        assert!(matches!(probe, Permit::Probe(1)));
+        assert_eq!(b.status(), BreakerStatus::HalfOpen);
+        assert_eq!(b.next_probe_in(), Some(Duration::from_secs(3)));
+        assert_eq!(b.permit(), Permit::Refuse);
+        // A failed probe opens it again for the whole of open_for.
+        assert!(b.failure(probe));
+        assert_eq!(b.next_probe_in(), Some(Duration::from_secs(3)));
+        clock.advance(Duration::from_secs(3));
+        let probe = b.permit();
+        b.success(probe);
+        assert_eq!(b.state(), BreakerState::Closed { failures: 0 });
+        // The threshold is at least one.
+        let one = Breaker::new(ManualClock::new(), 0, Duration::MAX);
+        assert!(one.failure(one.permit()));
+        assert_eq!(one.next_probe_in(), None);
+    }
+
+    #[test]
+    fn a_released_probe_is_due_at_once_and_a_dropped_one_waits() {
+        let (b, clock) = breaker();
+        b.failure(b.permit());
+        b.failure(b.permit());
+        clock.advance(Duration::from_secs(3));
+        let mut guard = ProbeGuard::new(Arc::clone(&b), b.permit());
+        guard.release();
+        drop(guard);
+        assert!(matches!(b.permit(), Permit::Probe(2)));
+        let guard = ProbeGuard::new(Arc::clone(&b), Permit::Probe(2));
+        drop(guard);
+        assert_eq!(b.next_probe_in(), Some(Duration::from_secs(3)));
+        // A call's guard does nothing.
+        drop(ProbeGuard::new(Arc::clone(&b), Permit::Call(0)));
+        assert_eq!(b.status(), BreakerStatus::Open);
+    }
+}

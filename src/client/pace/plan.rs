@@ -1,0 +1,245 @@
+//! The pacing of one server: when its next request may leave, from what its responses said.
+//! Pure: times are the clock's nanoseconds, passed in.
+
+use smallvec::SmallVec;
+
+use crate::client::Quota;
+
+/// The most policies tracked per server (a server sends one or a few; more are ignored).
+pub(crate) const MAX_POLICIES: usize = 8;
+
+/// What one server said, and the departures reserved since.
+#[derive(Debug, Default)]
+pub(crate) struct Server {
+    /// No request leaves before this: the end of a refusal's hint.
+    gate: u64,
+    /// Requests that have a departure and no answer yet (waiting or sent).
+    in_flight: u64,
+    tracks: SmallVec<[Track; 2]>,
+    /// The last departure reserved or answer read: for forgetting idle servers.
+    pub(crate) last_used: u64,
+}
+
+/// One policy (quota) of a server.
+#[derive(Debug)]
+struct Track {
+    policy: Option<Box<str>>,
+    /// The quota: as sent (`q`, `X-RateLimit-Limit`), else one more than the most remaining
+    /// ever reported.
+    limit: u64,
+    /// The spacing of departures while paced; 0 while the quota is ample.
+    interval: u64,
+    /// The earliest departure of the next request under this quota.
+    next_at: u64,
+    /// When the quota is restored: from then on it paces nothing until it reports again.
+    reset_at: u64,
+}
+
+/// A departure further away than the longest wait allowed.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct TooLong<'a> {
+    /// Nanoseconds to wait.
+    pub(crate) wait: u64,
+    /// The policy that holds the request back (`None`: a refusal's hint, or a legacy field).
+    pub(crate) policy: Option<&'a str>,
+}
+
+impl Server {
+    /// Reserves the departure of a request asked for at `now`: the time it may leave, or how
+    /// long it would have to wait if that is beyond `max_wait` (then nothing is reserved).
+    pub(crate) fn depart(&mut self, now: u64, max_wait: u64) -> Result<u64, TooLong<'_>> {
+        self.last_used = now;
+        let mut at = now.max(self.gate);
+        let mut binding = None;
+        for (i, track) in self.tracks.iter().enumerate() {
+            if now < track.reset_at && track.next_at > at {
+                at = track.next_at;
+                binding = Some(i);
+            }
+        }
+        if at - now > max_wait {
+            return Err(TooLong {
+                wait: at - now,
+                policy: binding.and_then(|i| self.tracks[i].policy.as_deref()),
+            });
+        }
+        for track in &mut self.tracks {
+            if now < track.reset_at {
+                track.next_at = at.saturating_add(track.interval);
+            }
+        }
+        self.in_flight += 1;
+        Ok(at)
+    }
+
+    /// A request with a departure was answered, or gave up.
+    pub(crate) fn landed(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+    }
+
+    /// A response read at `now` (its own request already landed) reported `quotas`, and if it
+    /// was a refusal, the wait `refused_for` (nanoseconds).
+    pub(crate) fn observe(&mut self, now: u64, quotas: &[Quota], refused_for: Option<u64>) {
+        self.last_used = now;
+        if let Some(wait) = refused_for {
+            self.gate = self.gate.max(now.saturating_add(wait));
+        }
+        for quota in quotas {
+            let index = match self
+                .tracks
+                .iter()
+                .position(|t| t.policy.as_deref() == quota.policy.as_deref())
+            {
+                Some(i) => i,
+                None if self.tracks.len() < MAX_POLICIES => {
+                    self.tracks.push(Track {
+                        policy: quota.policy.as_deref().map(Box::from),
+                        limit: 0,
+                        interval: 0,
+                        next_at: now,
+                        reset_at: now,
+                    });
+                    self.tracks.len() - 1
+                }
+                None => continue,
+            };
+            let track = &mut self.tracks[index];
+            track.limit = quota
+                .limit
+                .unwrap_or_else(|| track.limit.max(quota.remaining.saturating_add(1)));
+            // The requests still out will take their share of what remains.
+            let remaining = quota.remaining.saturating_sub(self.in_flight);
+            let reset = u64::try_from(quota.reset.as_nanos()).unwrap_or(u64::MAX);
+            track.reset_at = now.saturating_add(reset);
+            if remaining.saturating_mul(2) > track.limit {
+                // Ample: more than half the quota left, no need to space anything.
+                track.interval = 0;
+                track.next_at = track.next_at.min(now);
+            } else {
+                // What remains, spread evenly until the reset: r requests leave at
+                // t/(r+1), 2t/(r+1), ..., rt/(r+1), the last one before the reset, and with
+                // nothing left the next one leaves at the reset.
+                track.interval = reset / (remaining + 1);
+                track.next_at = track.next_at.max(now.saturating_add(track.interval));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    fn quota(policy: Option<&str>, remaining: u64, reset_s: u64, limit: Option<u64>) -> Quota {
+        let mut h = http::HeaderMap::new();
+        let name = policy.unwrap_or("p");
+        h.insert(
+            "ratelimit",
+            format!("\"{name}\";r={remaining};t={reset_s}")
+                .parse()
+                .unwrap(),
+        );
+        if let Some(q) = limit {
+            h.insert(
+                "ratelimit-policy",
+                format!("\"{name}\";q={q};w=10").parse().unwrap(),
+            );
+        }
+        let mut q = crate::client::ServerHints::read(&h).quotas.remove(0);
+        if policy.is_none() {
+            q.policy = None;
+        }
+        q
+    }
+
+    #[test]
+    fn ample_quota_leaves_at_once_then_spreads_what_remains() {
+        let mut s = Server::default();
+        assert_eq!(s.depart(0, u64::MAX), Ok(0));
+        s.landed();
+        s.observe(0, &[quota(Some("p"), 6, 10, Some(10))], None);
+        assert_eq!(s.depart(0, u64::MAX), Ok(0));
+        s.landed();
+        // 5 of 10 left is no longer ample: 10 s / 6 apart.
+        s.observe(0, &[quota(Some("p"), 5, 10, Some(10))], None);
+        assert_eq!(s.depart(0, u64::MAX), Ok(10 * S / 6));
+        // A second request, asked before the first is answered, leaves one interval later.
+        assert_eq!(s.depart(0, u64::MAX), Ok(2 * (10 * S / 6)));
+        s.landed();
+        // The answer to the first: 4 left, one of them for the request still out.
+        s.observe(2 * S, &[quota(Some("p"), 4, 8, Some(10))], None);
+        assert_eq!(s.in_flight, 1);
+        assert_eq!(s.tracks[0].interval, 8 * S / 4);
+        // The spacing from now (4 s) or after the departure still reserved (5 s): the later.
+        assert_eq!(s.depart(2 * S, u64::MAX), Ok(3 * (10 * S / 6)));
+        s.landed();
+        s.landed();
+        // Nothing left: the next request leaves at the reset.
+        s.observe(5 * S, &[quota(Some("p"), 0, 3, Some(10))], None);
+        assert_eq!(s.depart(5 * S, u64::MAX), Ok(8 * S));
+        // Past its reset, a quota paces nothing until it reports again.
+        s.landed();
+        assert_eq!(s.depart(9 * S, u64::MAX), Ok(9 * S));
+    }
+
+    #[test]
+    fn the_limit_is_estimated_when_not_sent() {
+        let mut s = Server::default();
+        // First seen with 9 left: the quota is taken to be 10.
+        s.observe(0, &[quota(None, 9, 10, None)], None);
+        assert_eq!(s.tracks[0].limit, 10);
+        s.observe(0, &[quota(None, 5, 10, None)], None);
+        assert_eq!(s.tracks[0].limit, 10);
+        assert_eq!(s.tracks[0].interval, 10 * S / 6);
+        s.observe(0, &[quota(None, 6, 10, None)], None);
+        assert_eq!(s.tracks[0].interval, 0);
+        // A sent limit wins.
+        s.observe(0, &[quota(None, 6, 10, Some(100))], None);
+        assert_eq!(s.tracks[0].limit, 100);
+    }
+
+    #[test]
+    fn a_refusal_closes_the_gate_and_long_waits_are_refused() {
+        let mut s = Server::default();
+        s.observe(0, &[], Some(30 * S));
+        assert_eq!(
+            s.depart(S, 10 * S),
+            Err(TooLong {
+                wait: 29 * S,
+                policy: None
+            })
+        );
+        assert_eq!(s.in_flight, 0);
+        assert_eq!(s.depart(S, 30 * S), Ok(30 * S));
+        s.landed();
+        // A shorter hint does not open the gate earlier.
+        s.observe(S, &[], Some(S));
+        assert_eq!(s.depart(S, u64::MAX), Ok(30 * S));
+        s.landed();
+        // The policy that holds a request back is named.
+        s.observe(40 * S, &[quota(Some("daily"), 0, 3600, Some(1000))], None);
+        let e = s.depart(40 * S, 60 * S).unwrap_err();
+        assert_eq!((e.wait, e.policy), (3600 * S, Some("daily")));
+        // The slowest quota holds: each policy is paced on its own.
+        let mut s = Server::default();
+        s.observe(
+            0,
+            &[
+                quota(Some("a"), 1, 2, Some(10)),
+                quota(Some("b"), 1, 4, Some(10)),
+            ],
+            None,
+        );
+        assert_eq!(s.depart(0, u64::MAX), Ok(2 * S));
+        assert_eq!(s.tracks[0].next_at, 3 * S);
+        assert_eq!(s.tracks[1].next_at, 4 * S);
+        // Past the most policies tracked, more are ignored.
+        let many: Vec<_> = (0..20)
+            .map(|i| quota(Some(&format!("p{i}")), 0, 1, None))
+            .collect();
+        s.observe(0, &many, None);
+        assert_eq!(s.tracks.len(), MAX_POLICIES);
+    }
+}
