@@ -438,6 +438,27 @@ mod tests {
         assert_eq!(first.collect().await.unwrap_err(), "broken");
     }
 
+    #[tokio::test]
+    async fn the_streaming_bodies_are_read_ahead() {
+        let data = || Frames::<Infallible>(vec![Ok(Frame::data(Bytes::from_static(b"abc")))]);
+        let (first, replay) = data().boxed().replay(16);
+        assert_eq!(bytes(first).await.0, "abc");
+        assert_eq!(bytes(replay.unwrap().body()).await.0, "abc");
+        #[cfg(feature = "axum")]
+        {
+            let (first, replay) = axum::body::Body::new(data()).replay(16);
+            assert_eq!(bytes(first).await.0, "abc");
+            assert_eq!(bytes(replay.unwrap().body()).await.0, "abc");
+        }
+        #[cfg(feature = "tonic")]
+        {
+            let (first, replay) = tonic::body::Body::new(data()).replay(16);
+            assert_eq!(bytes(first).await.0, "abc");
+            assert_eq!(bytes(replay.unwrap().body()).await.0, "abc");
+            assert!(tonic::body::Body::new(data()).replay(2).1.is_none());
+        }
+    }
+
     #[test]
     fn read_ahead_shows_what_it_holds() {
         let body = ReadAhead::<Full<Bytes>>::new(Bytes::from_static(b"ab"), None, None, None);

@@ -789,8 +789,10 @@ mod tests {
         };
         let mut a = p.begin(&Method::GET, "/", &none).unwrap();
         assert_eq!(r(&mut a, 200, &none), Next::Done);
+        assert_eq!(a.made(), 1);
         assert_eq!(r(&mut a, 503, &none), Next::Retry(200 * MS));
         assert_eq!(r(&mut a, 503, &none), Next::Retry(400 * MS));
+        assert_eq!(a.made(), 3);
         assert_eq!(r(&mut a, 503, &none), Next::GiveUp(GiveUp::Attempts));
         // The server's word: stop, or a wait.
         let mut a = p.begin(&Method::GET, "/", &none).unwrap();
@@ -893,5 +895,7 @@ mod tests {
         assert!(b().backoff(MS, MS).build().is_ok());
         assert!(RetryConfigError::Attempts(0).to_string().contains("not 0"));
         assert!(format!("{:?}", RetryPolicy::default()).contains("max_attempts: 3"));
+        assert_eq!(RetryPolicy::default().replay_limit(), 64 * 1024);
+        assert_eq!(policy(b().replay_limit(10)).replay_limit(), 10);
     }
 }
