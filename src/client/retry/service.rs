@@ -136,9 +136,11 @@ mod tests {
         );
         let response = future.await.unwrap();
         assert_eq!(response.status(), http::StatusCode::OK);
-        let mut expected = RetryStats::default();
-        expected.requests = 1;
-        expected.retries = 1;
+        let expected = RetryStats {
+            requests: 1,
+            retries: 1,
+            ..RetryStats::default()
+        };
         assert_eq!(layer.stats(), expected);
         assert_eq!(layer.policy().stats(), expected);
         assert_eq!(retry.policy().stats(), expected);
