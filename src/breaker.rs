@@ -58,6 +58,9 @@ struct Machine {
     /// opened cannot close it afterwards, nor one sent before a probe closed it open it
     /// again (a backend slower than `open_for` would otherwise flap the breaker).
     epoch: u64,
+    /// When another probe may go while one is still out without an answer (with a probe
+    /// timeout: a backend that never answers must not hold the breaker half-open for ever).
+    next_probe: Option<u64>,
 }
 
 impl Machine {
@@ -85,6 +88,9 @@ pub(crate) struct Breaker<C> {
     clock: C,
     threshold: u32,
     open_for: Duration,
+    /// How long a probe may stay unanswered before another goes (`None`: for ever, for callers
+    /// whose calls time out by themselves).
+    probe_timeout: Option<Duration>,
     machine: Mutex<Machine>,
 }
 
@@ -99,12 +105,23 @@ impl<C: Clock> Breaker<C> {
             clock,
             threshold: threshold.max(1),
             open_for,
+            probe_timeout: None,
             machine: Mutex::new(Machine {
                 state: BreakerState::Closed { failures: 0 },
                 probes: 0,
                 epoch: 0,
+                next_probe: None,
             }),
         }
+    }
+
+    /// Lets another probe go when one has stayed unanswered for `timeout` (its answer, should
+    /// it still come, then moves nothing): a backend that never answers cannot hold the
+    /// breaker half-open for ever.
+    #[cfg_attr(not(feature = "client"), allow(dead_code))]
+    pub(crate) fn probe_timeout(mut self, timeout: Duration) -> Self {
+        self.probe_timeout = Some(timeout);
+        self
     }
 
     /// The state now.
@@ -135,19 +152,28 @@ impl<C: Clock> Breaker<C> {
         }
     }
 
-    /// Whether a call may go through now; the first call after `open_for` is the probe.
+    /// Whether a call may go through now; the first call after `open_for` is the probe, and
+    /// so is, with a [probe timeout](Self::probe_timeout), the first call that long after a
+    /// probe that has not been answered.
     pub(crate) fn permit(&self) -> Permit {
         let mut machine = self.machine.lock();
+        let now = self.clock.now();
         match machine.state {
             BreakerState::Closed { .. } => Permit::Call(machine.epoch),
-            BreakerState::Open { until: Some(until) } if self.clock.now() >= until => {
-                machine.probes = machine.probes.wrapping_add(1);
-                let probe = machine.probes;
-                machine.set(BreakerState::HalfOpen { probe });
-                Permit::Probe(probe)
+            BreakerState::Open { until: Some(until) } if now >= until => self.probe(&mut machine),
+            BreakerState::HalfOpen { .. } if machine.next_probe.is_some_and(|at| now >= at) => {
+                self.probe(&mut machine)
             }
             BreakerState::Open { .. } | BreakerState::HalfOpen { .. } => Permit::Refuse,
         }
+    }
+
+    fn probe(&self, machine: &mut Machine) -> Permit {
+        machine.probes = machine.probes.wrapping_add(1);
+        let probe = machine.probes;
+        machine.set(BreakerState::HalfOpen { probe });
+        machine.next_probe = self.probe_timeout.and_then(|t| self.after(t));
+        Permit::Probe(probe)
     }
 
     /// Now plus `wait`, or `None` beyond the clock's range.
@@ -307,5 +333,28 @@ mod tests {
         // A call's guard does nothing.
         drop(ProbeGuard::new(Arc::clone(&b), Permit::Call(0)));
         assert_eq!(b.status(), BreakerStatus::Open);
+    }
+
+    #[test]
+    fn a_probe_never_answered_does_not_hold_the_breaker_half_open() {
+        let clock = ManualClock::new();
+        let b = Breaker::new(clock.clone(), 2, Duration::from_secs(3))
+            .probe_timeout(Duration::from_secs(3));
+        b.failure(b.permit());
+        b.failure(b.permit());
+        clock.advance(Duration::from_secs(3));
+        let stuck = b.permit();
+        assert!(matches!(stuck, Permit::Probe(1)));
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(b.permit(), Permit::Refuse, "one probe at a time");
+        clock.advance(Duration::from_secs(1));
+        let next = b.permit();
+        assert!(matches!(next, Permit::Probe(2)), "{next:?}");
+        assert_eq!(b.permit(), Permit::Refuse);
+        // The first probe's late answer moves nothing; the second's closes it.
+        b.success(stuck);
+        assert_eq!(b.status(), BreakerStatus::HalfOpen);
+        b.success(next);
+        assert_eq!(b.state(), BreakerState::Closed { failures: 0 });
     }
 }

@@ -15,6 +15,9 @@ use crate::answer::{
 /// The longest wait a hint is believed for; longer ones are read as this.
 pub const MAX_HINT: Duration = Duration::from_secs(24 * 3600);
 
+/// The largest count a hint is believed for (what a Structured Fields Integer can hold).
+const MAX_COUNT: u64 = 999_999_999_999_999;
+
 /// `X-RateLimit-Reset` values from this on are read as Unix times (as GitHub sends them), below
 /// it as seconds from now (as the IETF drafts and tollgate send them).
 const UNIX_TIME_FROM: u64 = 1_000_000_000;
@@ -208,7 +211,7 @@ fn legacy(headers: &HeaderMap, now: SystemTime) -> Option<Quota> {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
     };
-    let remaining = number(X_RATELIMIT_REMAINING)?;
+    let remaining = number(X_RATELIMIT_REMAINING)?.min(MAX_COUNT);
     let reset = number(X_RATELIMIT_RESET)?;
     let reset = if reset >= UNIX_TIME_FROM {
         (SystemTime::UNIX_EPOCH + Duration::from_secs(reset))
@@ -222,7 +225,7 @@ fn legacy(headers: &HeaderMap, now: SystemTime) -> Option<Quota> {
         policy: None,
         remaining,
         reset,
-        limit: number(X_RATELIMIT_LIMIT),
+        limit: number(X_RATELIMIT_LIMIT).map(|n| n.min(MAX_COUNT)),
         window: None,
     })
 }
@@ -339,5 +342,13 @@ mod tests {
             ServerHints::read_at(&h, now).retry(),
             RetryHint::After(Duration::ZERO)
         );
+        // Counts beyond what the fields can say are read as the most they can.
+        let h = headers(&[
+            ("x-ratelimit-remaining", "18446744073709551615"),
+            ("x-ratelimit-reset", "5"),
+            ("x-ratelimit-limit", "18446744073709551615"),
+        ]);
+        let quota = &ServerHints::read_at(&h, now).quotas[0];
+        assert_eq!((quota.remaining, quota.limit), (MAX_COUNT, Some(MAX_COUNT)));
     }
 }

@@ -217,7 +217,11 @@ impl<C: Clock> CircuitBreakerLayerBuilder<C> {
     pub fn build(self) -> CircuitBreakerLayer<C> {
         CircuitBreakerLayer {
             shared: Arc::new(Shared {
-                breaker: Arc::new(Breaker::new(self.clock, self.failures, self.open_for)),
+                // A probe unanswered for `open_for` (at least a second) lets another go.
+                breaker: Arc::new(
+                    Breaker::new(self.clock, self.failures, self.open_for)
+                        .probe_timeout(self.open_for.max(Duration::from_secs(1))),
+                ),
                 classify: self.classify,
                 responder: self.responder,
                 counters: Counters::default(),

@@ -19,7 +19,8 @@
 //!   only makes the client a little slower, never refused.
 //! - **refused** (a `429` or `503`, or gRPC `RESOURCE_EXHAUSTED` or `UNAVAILABLE`, with a
 //!   hint: `grpc-retry-pushback-ms`, `Retry-After`, or an exhausted quota's `t`): no request
-//!   to that server leaves before the hint has passed.
+//!   to that server leaves before the hint has passed, or a minute, whichever comes first (one
+//!   answer with a day-long hint cannot cut the server off for a day).
 //!
 //! A request whose departure is more than [`max_wait`](PaceLayerBuilder::max_wait) away (60 s
 //! by default) is not sent: it is answered at once with `429 Too Many Requests` and the wait

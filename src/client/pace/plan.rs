@@ -44,6 +44,9 @@ pub(crate) struct TooLong<'a> {
     pub(crate) policy: Option<&'a str>,
 }
 
+/// The longest a refusal's hint closes the gate, in nanoseconds.
+pub(crate) const MAX_GATE: u64 = 60_000_000_000;
+
 impl Server {
     /// Reserves the departure of a request asked for at `now`: the time it may leave, or how
     /// long it would have to wait if that is beyond `max_wait` (then nothing is reserved).
@@ -82,6 +85,9 @@ impl Server {
     pub(crate) fn observe(&mut self, now: u64, quotas: &[Quota], refused_for: Option<u64>) {
         self.last_used = now;
         if let Some(wait) = refused_for {
+            // At most a minute: one answer with a day-long hint cannot cut the server off for a
+            // day; a request after the minute asks again.
+            let wait = wait.min(MAX_GATE);
             self.gate = self.gate.max(now.saturating_add(wait));
         }
         for quota in quotas {
@@ -119,7 +125,7 @@ impl Server {
                 // What remains, spread evenly until the reset: r requests leave at
                 // t/(r+1), 2t/(r+1), ..., rt/(r+1), the last one before the reset, and with
                 // nothing left the next one leaves at the reset.
-                track.interval = reset / (remaining + 1);
+                track.interval = reset / remaining.saturating_add(1);
                 track.next_at = track.next_at.max(now.saturating_add(track.interval));
             }
         }
@@ -198,6 +204,13 @@ mod tests {
         // A sent limit wins.
         s.observe(0, &[quota(None, 6, 10, Some(100))], None);
         assert_eq!(s.tracks[0].limit, 100);
+    }
+
+    #[test]
+    fn a_refusals_hint_closes_the_gate_for_a_minute_at_most() {
+        let mut s = Server::default();
+        s.observe(0, &[], Some(86_400 * S));
+        assert!(s.depart(0, u64::MAX).is_ok_and(|at| at == MAX_GATE));
     }
 
     #[test]

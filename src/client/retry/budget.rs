@@ -21,6 +21,10 @@ const RETRY_COST: i64 = 100;
 /// is not made (the caller gets the last answer). With 10 % a failing backend sees at most
 /// about 1.1 times the calls it would see without retries, however many attempts each request
 /// was allowed: the budget, not the attempt count, bounds the load when everything fails.
+/// The budget counts the requests of every backend the policy serves: when one backend of
+/// many fails, the healthy ones' requests pay for its retries, and that one backend may see
+/// up to the attempt count times its calls. Give each backend its own policy (or budget)
+/// where that matters.
 ///
 /// This is Finagle's budget, as tower's `TpsBudget` also is; tollgate has its own because it
 /// reads time through the retry policy's clock (tower's reads `tokio::time::Instant` inside),

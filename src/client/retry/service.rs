@@ -127,7 +127,6 @@ mod tests {
                 .load(std::sync::atomic::Ordering::SeqCst),
             1
         );
-        assert!(std::ptr::eq(retry.policy(), retry.policy()));
         retry.ready().await.unwrap();
         let future = retry.call(Request::new(String::new()));
         assert_eq!(

@@ -66,7 +66,11 @@ where
             } => {
                 let result = ready!(future.poll(cx));
                 if let Ok(response) = &result {
-                    if !refused_by_server(response.status(), response.headers()) {
+                    // A refusal a tollgate layer inside made (a breaker, pacing) says nothing
+                    // about the backend: it does not count against it.
+                    if crate::client::local::made_locally(response)
+                        || !refused_by_server(response.status(), response.headers())
+                    {
                         shared.accepted(*key);
                     }
                 }
