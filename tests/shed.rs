@@ -1283,7 +1283,7 @@ async fn no_place_is_lost_between_threads() {
         .build()
         .unwrap();
     let service = instant(&shed);
-    for round in 0..20_000u32 {
+    for round in 0..10_000u32 {
         let held = service.clone().oneshot(get()).await.unwrap();
         assert_eq!(held.status(), StatusCode::OK);
         let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1336,4 +1336,88 @@ async fn the_widest_share_need_not_be_critical_plus() {
     let (answer, _) = waiter.await.unwrap();
     assert_eq!(answer.status(), StatusCode::OK);
     assert_eq!((shed.in_flight(), shed.queued()), (10, 0));
+}
+
+/// When the adaptive limit grows, the waiters get the new room there and then (not at the
+/// next place given back), before any newcomer.
+#[tokio::test(start_paused = true)]
+async fn waiters_get_the_room_a_growing_limit_makes() {
+    let ms = Duration::from_millis;
+    let shed = LoadShedLayer::builder(Limit::aimd(1, ms(100)))
+        .classify(|_: &http::request::Parts| Criticality::CriticalPlus)
+        .queue(4, Duration::from_secs(10))
+        .codel(Duration::from_secs(10), ms(100))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let service = shed.layer(tower::service_fn(|_: Request<String>| async {
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    // Nine quick answers, one at a time, over 270 ms: the window is not closed yet.
+    for _ in 0..9 {
+        drop(service.clone().oneshot(get()).await.unwrap());
+    }
+    assert_eq!(shed.limit(), 1);
+    // The tenth, and a request waiting for its place.
+    let tenth = spawn_timed(service.clone(), get());
+    settle().await;
+    let waiter = spawn_timed(service.clone(), get());
+    settle().await;
+    assert_eq!(shed.queued(), 1);
+    // The tenth answer closes the window: the limit grows to 2 while its body holds its
+    // place, and the waiter is admitted at once.
+    let (tenth, _) = tenth.await.unwrap();
+    assert_eq!(shed.limit(), 2);
+    assert_eq!(shed.queued(), 0);
+    assert_eq!(shed.in_flight(), 2);
+    // Admitted at 300 ms after 30 ms in the queue, answered 30 ms later.
+    let (answer, took) = waiter.await.unwrap();
+    assert_eq!((answer.status(), took), (StatusCode::OK, ms(60)));
+    drop((tenth, answer));
+}
+
+/// A request waits for the one place; another arrives on another thread just as the place is
+/// given back: however the two meet, the waiter is served first (the newcomer cannot take
+/// the place between its release and its hand-over).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn newcomers_do_not_overtake_waiters_between_threads() {
+    let shed = LoadShedLayer::builder(Limit::fixed(1))
+        .queue(4, Duration::from_secs(5))
+        .discipline(Discipline::Fifo)
+        .codel(Duration::from_secs(5), Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let order = Arc::new(AtomicU64::new(0));
+    let served = |service: Shed, order: Arc<AtomicU64>| async move {
+        let answer = service.oneshot(get()).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        order.fetch_add(1, Ordering::SeqCst)
+    };
+    for round in 0..5_000u32 {
+        let held = service.clone().oneshot(get()).await.unwrap();
+        let waiter = tokio::spawn(served(service.clone(), order.clone()));
+        while shed.queued() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let newcomer = tokio::spawn({
+            let (started, served) = (started.clone(), served(service.clone(), order.clone()));
+            async move {
+                started.store(true, Ordering::SeqCst);
+                served.await
+            }
+        });
+        while !started.load(Ordering::SeqCst) {
+            std::hint::spin_loop();
+        }
+        for _ in 0..round % 512 {
+            std::hint::spin_loop();
+        }
+        drop(held);
+        let (waiter, newcomer) = (waiter.await.unwrap(), newcomer.await.unwrap());
+        assert!(waiter < newcomer, "round {round}: the newcomer went first");
+    }
+    assert_eq!((shed.in_flight(), shed.queued()), (0, 0));
 }
