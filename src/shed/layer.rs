@@ -562,19 +562,26 @@ impl Guard {
         }
     }
 
-    /// Teaches the controller the request's time in flight so far (returned, in nanoseconds).
+    /// Teaches the controller the request's time in flight so far (returned, in nanoseconds);
+    /// if the limit grows, the waiters get the new room there and then.
     fn sample(&self, failed: bool) -> u64 {
         let shared = &self.place.shared;
         let now = shared.clock.now();
         let nanos = now.saturating_sub(self.started).max(1);
         let mut controller = shared.controller.lock();
+        let before = controller.limit();
         controller.sample(Sample {
             at: now,
             nanos,
             in_flight: self.in_flight,
             failed,
         });
-        shared.limit.store(controller.limit(), Ordering::Relaxed);
+        let after = controller.limit();
+        shared.limit.store(after, Ordering::Relaxed);
+        drop(controller);
+        if after > before {
+            shared.serve_waiters();
+        }
         nanos
     }
 }
@@ -596,6 +603,8 @@ pub(super) enum NoPlace {
     Full,
     /// The tenant has its fair share in flight.
     Unfair,
+    /// The count in flight is no longer the one expected (a place came back meanwhile).
+    Moved,
 }
 
 impl Shared {
@@ -616,12 +625,12 @@ impl Shared {
             // Requests wait: the queue decides, so that this one cannot overtake them.
             return self.enqueue(queue, parts, class, tenant);
         }
-        match self.take(class, tenant.as_ref()) {
+        match self.take(class, tenant.as_ref(), None) {
             Ok(in_flight) => {
                 let guard = self.guard(class, Place::new(self, tenant), in_flight);
                 Ok(Admitted::Now(Held::Shed(guard)))
             }
-            Err(NoPlace::Full) => match queue {
+            Err(NoPlace::Full | NoPlace::Moved) => match queue {
                 Some(queue) => self.enqueue(queue, parts, class, tenant),
                 None => Err(class),
             },
@@ -647,21 +656,28 @@ impl Shared {
 
     /// Takes a place in flight for a request of `class` if its class has room, and its
     /// tenant's if the tenant is within its fair share (or neither): the requests in flight
-    /// with it. Nothing is handed to waiters here.
+    /// with it. With `at`, only if the count in flight is still `at`. Nothing is handed to
+    /// waiters here.
     pub(super) fn take(
         &self,
         class: Criticality,
         tenant: Option<&(u64, Key)>,
+        at: Option<u32>,
     ) -> Result<u32, NoPlace> {
         let limit = u64::from(self.limit.load(Ordering::Relaxed));
         let threshold = self.threshold(class, limit);
-        let Ok(before) = self
-            .in_flight
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                (n < threshold).then_some(n + 1)
-            })
-        else {
-            return Err(NoPlace::Full);
+        let before = match at {
+            None => self
+                .in_flight
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                    (n < threshold).then_some(n + 1)
+                })
+                .map_err(|_| NoPlace::Full)?,
+            Some(at) if at >= threshold => return Err(NoPlace::Full),
+            Some(at) => self
+                .in_flight
+                .compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .map_err(|_| NoPlace::Moved)?,
         };
         if let (Some(fair), Some((hash, key))) = (&self.fair, tenant) {
             if !fair

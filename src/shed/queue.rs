@@ -26,6 +26,10 @@ use super::layer::{NoPlace, Place, Shared};
 use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::Key;
 
+/// How often the queue is served again while the count in flight keeps moving under it,
+/// before giving up until the next place given back.
+const SERVE_TRIES: usize = 16;
+
 /// CoDel's default target: a queue whose delay stays at or above it for an interval stands.
 pub const DEFAULT_CODEL_TARGET: Duration = Duration::from_millis(5);
 /// CoDel's default interval: how long the delay must stay at the target for the queue to stand.
@@ -118,6 +122,12 @@ impl Queue {
 
     fn remove(&self, state: &mut State, index: usize) -> Option<Waiter> {
         let waiter = state.waiters.remove(index)?;
+        self.removed(state, &waiter);
+        Some(waiter)
+    }
+
+    /// Counts `waiter`, taken out of `state.waiters`, as gone.
+    fn removed(&self, state: &mut State, waiter: &Waiter) {
         self.len.store(state.waiters.len(), Ordering::SeqCst);
         if let Some((hash, _)) = &waiter.tenant {
             if let Some(n) = state.tenants.get_mut(hash) {
@@ -127,7 +137,6 @@ impl Queue {
                 }
             }
         }
-        Some(waiter)
     }
 
     /// Whether the next place goes to the newest waiter.
@@ -294,8 +303,20 @@ impl Shared {
         let mut state = queue.state.lock();
         let now = self.clock.now();
         self.look(queue, &mut state, now);
-        self.serve(queue, &mut state, now);
-        match self.take(class, tenant.as_ref()) {
+        // The waiters that fit are served first. Then this request may take a place, but only
+        // at the count at which nobody waiting fits: a place given back meanwhile (releases do
+        // not wait for the lock) goes to the waiters, so the queue is served again.
+        let mut taken = Err(NoPlace::Full);
+        for _ in 0..SERVE_TRIES {
+            let Some(at) = self.serve(queue, &mut state, now) else {
+                break;
+            };
+            taken = self.take(class, tenant.as_ref(), Some(at));
+            if !matches!(taken, Err(NoPlace::Moved)) {
+                break;
+            }
+        }
+        match taken {
             Ok(in_flight) => {
                 drop(state);
                 let guard = self.guard(class, Place::new(self, tenant), in_flight);
@@ -305,7 +326,8 @@ impl Shared {
                 self.serve(queue, &mut state, now);
                 return Err(class);
             }
-            Err(NoPlace::Full) => {}
+            // No room, or the count kept moving: it waits, and is served as places come back.
+            Err(NoPlace::Full | NoPlace::Moved) => {}
         }
         if budget == 0 || state.waiters.len() >= queue.max {
             return Err(class);
@@ -384,12 +406,13 @@ impl Shared {
 
     /// Hands places to waiters while any may take one: each time to the first, in the
     /// discipline's order, whose class has room (and whose tenant is within its fair share).
-    fn serve(self: &Arc<Self>, queue: &Queue, state: &mut State, now: u64) {
-        while !state.waiters.is_empty() {
+    /// The count in flight at which no waiter fits, or `None` if it kept moving.
+    fn serve(self: &Arc<Self>, queue: &Queue, state: &mut State, now: u64) -> Option<u32> {
+        for _ in 0..SERVE_TRIES {
             let limit = u64::from(self.limit.load(Ordering::Relaxed));
             let in_flight = self.in_flight.load(Ordering::SeqCst);
-            if in_flight >= self.threshold(self.widest, limit) {
-                return;
+            if state.waiters.is_empty() || in_flight >= self.threshold(self.widest, limit) {
+                return Some(in_flight);
             }
             let fits = |w: &Waiter| {
                 in_flight < self.threshold(w.class, limit)
@@ -406,18 +429,22 @@ impl Shared {
             } else {
                 state.waiters.iter().position(fits)
             };
-            let Some(waiter) = found.and_then(|i| state.waiters.get(i).map(|w| (i, w))) else {
-                return;
+            // Out of the queue while it takes its place, but still counted as waiting (so that
+            // a newcomer does not take the place on the way that skips the queue).
+            let Some((index, waiter)) = found.and_then(|i| Some((i, state.waiters.remove(i)?)))
+            else {
+                return Some(in_flight);
             };
-            let (index, class) = (waiter.0, waiter.1.class);
-            // Another request may have taken the place meanwhile (one that arrived while nobody
-            // waited): the next place given back serves the queue then.
-            let Ok(in_flight) = self.take(class, waiter.1.tenant.as_ref()) else {
-                return;
+            let in_flight = match self.take(waiter.class, waiter.tenant.as_ref(), Some(in_flight)) {
+                Ok(in_flight) => in_flight,
+                Err(_) => {
+                    // The count moved since it was read (a place came back, or a request that
+                    // found nobody waiting took one): back in its place, and look again.
+                    state.waiters.insert(index, waiter);
+                    continue;
+                }
             };
-            let Some(waiter) = queue.remove(state, index) else {
-                return;
-            };
+            queue.removed(state, &waiter);
             let place = Place::new(self, waiter.tenant);
             if let Err(Outcome::Admitted { place, .. }) =
                 waiter.outcome.send(Outcome::Admitted { place, in_flight })
@@ -428,6 +455,7 @@ impl Shared {
             }
             self.look(queue, state, now);
         }
+        None
     }
 
     /// Looks at the queue at `now`: CoDel judges it; if it has just turned standing, the
