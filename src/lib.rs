@@ -44,6 +44,9 @@ mod breaker;
 pub mod client;
 pub mod clock;
 pub mod concurrency;
+#[cfg(feature = "serde")]
+#[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+pub mod config;
 mod decision;
 pub mod http;
 mod inflight;

@@ -133,6 +133,13 @@ where
             return Ok(output);
         }
     }
+    // The store of a configuration file, when it is the in-process one.
+    #[cfg(feature = "serde")]
+    if let Some(configured) = any.downcast_mut::<crate::config::ConfiguredFuture>() {
+        if let Some(output) = configured.now() {
+            return Ok(output);
+        }
+    }
     Err(check)
 }
 

@@ -4,6 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use http::HeaderValue;
 use tower_layer::Layer;
 
@@ -22,7 +23,51 @@ pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// layer, applying it to many routes (axum's `Router::layer` does, once per route) or cloning
 /// the services it makes shares one set of limits.
 pub struct RateLimitLayer<St> {
-    shared: Arc<Shared<St>>,
+    source: Source<St>,
+}
+
+/// Where a layer's services find the limiter and options: fixed when the layer was built, or
+/// swapped whole by a [`Reloader`](crate::config::Reloader).
+pub(crate) enum Source<St> {
+    Fixed(Arc<Shared<St>>),
+    Live(Arc<ArcSwap<Shared<St>>>),
+}
+
+impl<St> Source<St> {
+    /// What requests use now.
+    pub(crate) fn current(&self) -> Arc<Shared<St>> {
+        match self {
+            Source::Fixed(shared) => Arc::clone(shared),
+            Source::Live(cell) => cell.load_full(),
+        }
+    }
+}
+
+impl<St> Clone for Source<St> {
+    fn clone(&self) -> Self {
+        match self {
+            Source::Fixed(shared) => Source::Fixed(Arc::clone(shared)),
+            Source::Live(cell) => Source::Live(Arc::clone(cell)),
+        }
+    }
+}
+
+/// The limiter a layer runs now (see [`RateLimitLayer::limiter`]); it stays the same object
+/// while held, whatever a reload does meanwhile.
+pub struct CurrentLimiter<St>(Arc<Shared<St>>);
+
+impl<St> std::ops::Deref for CurrentLimiter<St> {
+    type Target = Limiter<St>;
+
+    fn deref(&self) -> &Limiter<St> {
+        &self.0.limiter
+    }
+}
+
+impl<St> fmt::Debug for CurrentLimiter<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0.limiter, f)
+    }
 }
 
 /// What every service of one layer shares.
@@ -30,7 +75,7 @@ pub(crate) struct Shared<St> {
     pub(crate) limiter: Limiter<St>,
     pub(crate) profile: HeaderProfile,
     pub(crate) reset: ResetFormat,
-    pub(crate) responder: Box<dyn Responder>,
+    pub(crate) responder: Arc<dyn Responder>,
     pub(crate) unavailable_retry_after: Duration,
     pub(crate) decision_extension: bool,
     /// `RateLimit-Policy` when every rule applied with its first policy set (the usual case
@@ -45,7 +90,7 @@ impl<St: Store> RateLimitLayer<St> {
             limiter: Limiter::builder(store),
             profile: HeaderProfile::default(),
             reset: ResetFormat::default(),
-            responder: Box::new(DefaultResponder),
+            responder: Arc::new(DefaultResponder),
             unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
             decision_extension: true,
         }
@@ -54,37 +99,49 @@ impl<St: Store> RateLimitLayer<St> {
     /// The layer of a limiter built on its own, with the default answers.
     pub fn new(limiter: Limiter<St>) -> Self {
         Self {
-            shared: Arc::new(Shared {
+            source: Source::Fixed(Arc::new(Shared {
                 profile: HeaderProfile::default(),
                 reset: ResetFormat::default(),
-                responder: Box::new(DefaultResponder),
+                responder: Arc::new(DefaultResponder),
                 unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
                 decision_extension: true,
                 all_policies: all_policies(&limiter),
                 limiter,
-            }),
+            })),
         }
     }
 
-    /// The limiter.
-    pub fn limiter(&self) -> &Limiter<St> {
-        &self.shared.limiter
+    /// The limiter that requests go through now (after a
+    /// [reload](crate::config::Reloader), the new one).
+    pub fn limiter(&self) -> CurrentLimiter<St> {
+        CurrentLimiter(self.source.current())
+    }
+
+    /// A layer whose limiter and options a reloader swaps, and the cell it swaps.
+    pub(crate) fn live(shared: Shared<St>) -> (Self, Arc<ArcSwap<Shared<St>>>) {
+        let cell = Arc::new(ArcSwap::from_pointee(shared));
+        let layer = RateLimitLayer {
+            source: Source::Live(Arc::clone(&cell)),
+        };
+        (layer, cell)
     }
 }
 
 impl<St> Clone for RateLimitLayer<St> {
     fn clone(&self) -> Self {
         Self {
-            shared: Arc::clone(&self.shared),
+            source: self.source.clone(),
         }
     }
 }
 
 impl<St> fmt::Debug for RateLimitLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shared = self.source.current();
         f.debug_struct("RateLimitLayer")
-            .field("limiter", &self.shared.limiter)
-            .field("profile", &self.shared.profile)
+            .field("limiter", &shared.limiter)
+            .field("profile", &shared.profile)
+            .field("reloadable", &matches!(self.source, Source::Live(_)))
             .finish_non_exhaustive()
     }
 }
@@ -93,7 +150,7 @@ impl<S, St> Layer<S> for RateLimitLayer<St> {
     type Service = RateLimit<S, St>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RateLimit::from_shared(inner, Arc::clone(&self.shared))
+        RateLimit::from_source(inner, self.source.clone())
     }
 }
 
@@ -103,7 +160,7 @@ pub struct RateLimitLayerBuilder<St> {
     limiter: LimiterBuilder<St>,
     profile: HeaderProfile,
     reset: ResetFormat,
-    responder: Box<dyn Responder>,
+    responder: Arc<dyn Responder>,
     unavailable_retry_after: Duration,
     decision_extension: bool,
 }
@@ -138,7 +195,13 @@ impl<St: Store> RateLimitLayerBuilder<St> {
 
     /// Answers refused requests with `responder` instead of [`DefaultResponder`].
     pub fn responder(mut self, responder: impl Responder) -> Self {
-        self.responder = Box::new(responder);
+        self.responder = Arc::new(responder);
+        self
+    }
+
+    /// The same, shared (a reloader keeps the one it was given).
+    pub(crate) fn shared_responder(mut self, responder: Arc<dyn Responder>) -> Self {
+        self.responder = responder;
         self
     }
 
@@ -159,17 +222,22 @@ impl<St: Store> RateLimitLayerBuilder<St> {
 
     /// Validates the rules and builds the layer.
     pub fn build(self) -> Result<RateLimitLayer<St>, LimiterError> {
-        let limiter = self.limiter.build()?;
         Ok(RateLimitLayer {
-            shared: Arc::new(Shared {
-                all_policies: all_policies(&limiter),
-                limiter,
-                profile: self.profile,
-                reset: self.reset,
-                responder: self.responder,
-                unavailable_retry_after: self.unavailable_retry_after,
-                decision_extension: self.decision_extension,
-            }),
+            source: Source::Fixed(Arc::new(self.build_shared()?)),
+        })
+    }
+
+    /// What the layer's services share, unwrapped.
+    pub(crate) fn build_shared(self) -> Result<Shared<St>, LimiterError> {
+        let limiter = self.limiter.build()?;
+        Ok(Shared {
+            all_policies: all_policies(&limiter),
+            limiter,
+            profile: self.profile,
+            reset: self.reset,
+            responder: self.responder,
+            unavailable_retry_after: self.unavailable_retry_after,
+            decision_extension: self.decision_extension,
         })
     }
 }

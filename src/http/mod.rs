@@ -82,7 +82,7 @@
 //! ```
 
 mod future;
-mod layer;
+pub(crate) mod layer;
 mod service;
 
 pub use crate::answer::{
@@ -92,5 +92,7 @@ pub use crate::answer::{
     X_RATELIMIT_RESET,
 };
 pub use future::ResponseFuture;
-pub use layer::{DEFAULT_UNAVAILABLE_RETRY_AFTER, RateLimitLayer, RateLimitLayerBuilder};
+pub use layer::{
+    CurrentLimiter, DEFAULT_UNAVAILABLE_RETRY_AFTER, RateLimitLayer, RateLimitLayerBuilder,
+};
 pub use service::RateLimit;

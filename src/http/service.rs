@@ -1,14 +1,13 @@
 //! The service: decides in `call()`, before the inner service sees the request.
 
 use std::fmt;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use tower_service::Service;
 
 use super::future::ResponseFuture;
-use super::layer::Shared;
+use super::layer::Source;
 use crate::Store;
 use crate::answer::RefusalBody;
 
@@ -23,12 +22,12 @@ use crate::answer::RefusalBody;
 /// axum. The body is never read.
 pub struct RateLimit<S, St> {
     inner: S,
-    shared: Arc<Shared<St>>,
+    source: Source<St>,
 }
 
 impl<S, St> RateLimit<S, St> {
-    pub(crate) fn from_shared(inner: S, shared: Arc<Shared<St>>) -> Self {
-        Self { inner, shared }
+    pub(crate) fn from_source(inner: S, source: Source<St>) -> Self {
+        Self { inner, source }
     }
 
     /// The inner service.
@@ -51,7 +50,7 @@ impl<S: Clone, St> Clone for RateLimit<S, St> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            shared: Arc::clone(&self.shared),
+            source: self.source.clone(),
         }
     }
 }
@@ -60,7 +59,7 @@ impl<S: fmt::Debug, St> fmt::Debug for RateLimit<S, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("limiter", &self.shared.limiter)
+            .field("limiter", &self.source.current().limiter)
             .finish()
     }
 }
@@ -82,6 +81,11 @@ where
 
     #[inline]
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        ResponseFuture::call(&self.shared, &mut self.inner, request)
+        match &self.source {
+            Source::Fixed(shared) => ResponseFuture::call(shared, &mut self.inner, request),
+            // One load: the request sees the configuration of this instant whole, and keeps
+            // it (the future holds it) whatever a reload does meanwhile.
+            Source::Live(cell) => ResponseFuture::call(&cell.load(), &mut self.inner, request),
+        }
     }
 }

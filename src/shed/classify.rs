@@ -129,6 +129,14 @@ pub struct ByHeader {
 }
 
 impl ByHeader {
+    /// The header `name`, `critical` when it is absent or names no class.
+    pub fn new(name: HeaderName) -> Self {
+        ByHeader {
+            name,
+            default: Criticality::Critical,
+        }
+    }
+
     /// The header `name` (lowercase; panics on an invalid name, like
     /// [`HeaderName::from_static`]), `critical` when it is absent or names no class.
     pub const fn from_static(name: &'static str) -> Self {

@@ -1,0 +1,426 @@
+//! The configuration file: the store, the keys, the rules, the answers and the overload
+//! layers in one file (TOML, or any serde format), validated in full before anything runs,
+//! and reloaded while the service runs.
+//!
+//! ```
+//! use tollgate::config::{Bindings, Config};
+//! use tollgate::MemoryStore;
+//!
+//! let config = Config::from_toml(r#"
+//!     [keys.client]
+//!     kind = "forwarded"               # the client's address, as the load balancer reports it
+//!     trusted = ["10.0.0.0/8"]
+//!
+//!     [[rules]]
+//!     name = "per-client"
+//!     key = "client"
+//!     policies = [{ algorithm = "gcra", rate = "10/s", burst = 20 }]
+//!
+//!     [[rules]]
+//!     name = "login"
+//!     methods = ["POST"]
+//!     path = "/login"
+//!     key = "client"
+//!     policies = [{ algorithm = "sliding_log", rate = "5 per 15m" }]
+//! "#)?;
+//! let layer = config.rate_limit_layer(MemoryStore::new(), &Bindings::new())?;
+//! assert_eq!(layer.limiter().rule_names().collect::<Vec<_>>(), ["per-client", "login"]);
+//! # Ok::<(), tollgate::config::ConfigErrors>(())
+//! ```
+//!
+//! # The file
+//!
+//! Every section is optional; what a file leaves out keeps its default.
+//!
+//! ```toml
+//! [store]
+//! kind = "redis"                    # "memory" (the default) or "redis" (feature `redis`)
+//! url = "redis://127.0.0.1:6379"    # or cluster = ["10.0.0.1:6379", "10.0.0.2:6379"]
+//! prefix = "rl:"
+//! timeout = "50ms"                  # a slower answer is a failure
+//! on_failure = "local"              # "closed" (503, the default), "open" or "local"
+//! instances = 4                     # "local" divides each limit among this many instances
+//! breaker = { failures = 5, open_for = "2s" }
+//! # memory only: max_keys = 100000, shards = 64; both: max_key_len = 256
+//!
+//! [keys.client]                     # a named key extractor, for rules to use
+//! kind = "forwarded"                # global, peer_ip, forwarded, header, any_of, all_of, custom
+//! trusted = ["10.0.0.0/8", "fd00::/8"]
+//! rfc7239 = false                   # true reads `Forwarded` instead of `X-Forwarded-For`
+//! ipv6_prefix = 64
+//!
+//! [keys.api_key]
+//! kind = "header"
+//! header = "x-api-key"
+//!
+//! [keys.caller]
+//! kind = "any_of"                   # the API key, else the client's address
+//! of = ["api_key", "client"]
+//!
+//! [answers]
+//! headers = "ietf"                  # "ietf", "legacy", "both" or "off"
+//! unavailable_retry_after = "2s"
+//!
+//! [[rules]]
+//! name = "search"
+//! methods = ["GET"]
+//! path_prefix = "/search"           # or path = "/exact", or route = "/users/{id}"
+//! key = "caller"
+//! cost = 5
+//! on_missing_key = "skip"           # or a status: 401
+//! shadow = false                    # true: decide and report, never refuse
+//! policies = [
+//!   { algorithm = "token_bucket", rate = "100/minute", burst = 50 },
+//!   { algorithm = "fixed_window", limit = 10000, window = "1d", name = "daily" },
+//! ]
+//!
+//! [[rules]]
+//! name = "plan"
+//! key = "api_key"
+//! on_missing_key = 401
+//! [rules.tiers]
+//! resolver = "plans"                # registered in code: Bindings::resolver
+//! keys = { "k-internal" = "pro" }   # or listed here
+//! default = "free"
+//! cache_for = "5m"
+//! plans = [
+//!   { name = "free", policies = [{ algorithm = "gcra", rate = "60/minute", burst = 10 }] },
+//!   { name = "pro", policies = [{ algorithm = "gcra", rate = "600/minute", burst = 100 }] },
+//! ]
+//!
+//! [concurrency]
+//! total = 512
+//! queue = { max_waiting = 64, max_wait = "100ms" }
+//! rules = [{ name = "exports", path_prefix = "/export", key = "api_key", max_in_flight = 2 }]
+//!
+//! [shed]
+//! limit = "vegas"                   # "fixed", "vegas" or "aimd" (with latency = "250ms")
+//! initial = 100
+//! max = 1000
+//! class_header = "x-criticality"
+//! queue = { max_waiting = 100, max_wait = "50ms" }
+//! ```
+//!
+//! Durations are written with units and may be summed: `"500ms"`, `"15m"`, `"1h30m"`,
+//! `"1 day"` ([`HumanDuration`]). Rates are a count per span: `"100/minute"`, `"10/s"`,
+//! `"5 per 15m"` ([`HumanRate`]). A window policy takes `limit` and `window`, or a `rate`
+//! that says both; a bucket takes a `rate` and a `burst` (the rate's count unless set).
+//!
+//! # Errors
+//!
+//! A file is checked whole before anything is built, and every problem is reported at once,
+//! each with the path of its field: `rules[2].policies[0].window: must be above zero`,
+//! `keys.client.trusted[1]: not a network: "10.0.0.0/33"`, `rules[0].polices: unknown field`.
+//! Unknown fields are errors everywhere (a misspelt option never silently does nothing). A
+//! file that is not TOML at all reports its syntax error with the line.
+//!
+//! # From code, and back
+//!
+//! [`Config`] is plain data with public fields: build one in code and [`Config::to_toml`]
+//! writes the file that [`Config::from_toml`] reads back to the same value; the layers built
+//! from either are the same. What a file cannot say (a key found by an authentication layer,
+//! a tier resolver that asks a database, a custom answer) is given in code, by name, through
+//! [`Bindings`], and the file refers to it.
+//!
+//! # Reload
+//!
+//! [`Config::reloadable_rate_limit_layer`] returns the layer and a [`Reloader`]. A reload
+//! builds and checks the new configuration whole, then swaps it in with one atomic store: a
+//! request sees either the old configuration or the new one, never a mix, and requests in
+//! flight finish on the one they started with. A configuration with any error is refused with
+//! its errors and the old one keeps running.
+//!
+//! State lives in the store, by key, rule and policy, so a reload keeps what every client has
+//! consumed under every (rule, policy) pair it leaves as it was. A policy whose algorithm,
+//! limit, window, rate or name changes is new state, and starts fresh: its clients get its
+//! whole allowance once (a tightened limit is not charged with what was consumed under the old
+//! one). Renaming a rule starts its state fresh too. The `store`, `concurrency` and `shed`
+//! sections are read when the service starts: a reload that changes them is refused (restart
+//! to apply them), so what runs is always what the file says.
+
+mod build;
+mod human;
+mod reload;
+mod schema;
+mod store;
+
+use std::fmt;
+use std::path::Path;
+
+pub use build::Bindings;
+pub use human::{HumanDuration, HumanError, HumanRate};
+pub use reload::{ReloadSummary, Reloader};
+pub use schema::{
+    AlgorithmConfig, AnswersConfig, BreakerConfig, ConcurrencyConfig, ConcurrencyRuleConfig,
+    Config, FailureConfig, HeadersConfig, KeyConfig, KeyKind, MissingKeyConfig, PlanConfig,
+    PolicyConfig, QueueConfig, ResetConfig, RuleConfig, ShedConfig, ShedLimitKind, Skip,
+    StoreConfig, StoreKind, TiersConfig,
+};
+pub(crate) use store::ConfiguredFuture;
+pub use store::ConfiguredStore;
+
+/// The most problems one report lists (the rest are counted).
+const MAX_REPORTED: usize = 100;
+
+/// One problem of a configuration: where, and what.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    path: String,
+    message: String,
+}
+
+impl ConfigError {
+    pub(crate) fn new(path: impl Into<String>, message: impl fmt::Display) -> Self {
+        ConfigError {
+            path: path.into(),
+            message: message.to_string(),
+        }
+    }
+
+    /// The field's path (`rules[2].policies[0].window`; empty for the file as a whole).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// What is wrong with it.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// Every problem found in a configuration (at least one), one per line when displayed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigErrors(Vec<ConfigError>);
+
+impl ConfigErrors {
+    pub(crate) fn one(path: impl Into<String>, message: impl fmt::Display) -> Self {
+        ConfigErrors(vec![ConfigError::new(path, message)])
+    }
+
+    /// The problems: those of reading first, then those of the values, section by section.
+    pub fn errors(&self) -> &[ConfigError] {
+        &self.0
+    }
+
+    /// The paths of the problems (handy in tests).
+    pub fn paths(&self) -> Vec<&str> {
+        self.0.iter().map(ConfigError::path).collect()
+    }
+}
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, error) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{error}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+/// Problems found so far, with their paths.
+#[derive(Debug, Default)]
+pub(crate) struct Problems(Vec<ConfigError>);
+
+impl Problems {
+    pub(crate) fn add(&mut self, path: impl Into<String>, message: impl fmt::Display) {
+        if self.0.len() < MAX_REPORTED {
+            self.0.push(ConfigError::new(path, message));
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// `Ok(value)` if nothing was found.
+    pub(crate) fn or<T>(self, value: T) -> Result<T, ConfigErrors> {
+        if self.0.is_empty() {
+            Ok(value)
+        } else {
+            Err(ConfigErrors(self.0))
+        }
+    }
+}
+
+impl Config {
+    /// Reads a TOML configuration, reporting every problem with its field's path.
+    ///
+    /// Type errors and unknown fields are all reported (each field in error is set aside and
+    /// the rest read again, up to 100 problems); the values are then checked (see
+    /// [`Config::validate`]).
+    pub fn from_toml(text: &str) -> Result<Config, ConfigErrors> {
+        let mut table: toml::Table = toml::from_str(text)
+            .map_err(|e| ConfigErrors::one("", format!("not TOML: {}", e.to_string().trim())))?;
+        let mut problems = Problems::default();
+        let config = loop {
+            let value = toml::Value::Table(table.clone());
+            match serde_path_to_error::deserialize::<_, Config>(value) {
+                Ok(config) => break Some(config),
+                Err(e) => {
+                    let path = e.path().to_string();
+                    let path = if path == "." { String::new() } else { path };
+                    let message = e.into_inner().to_string();
+                    // The path is given already; TOML's own suffix repeats it.
+                    let message = message.split("\nin `").next().unwrap_or_default();
+                    problems.add(path.clone(), message.trim());
+                    // Set the field aside and read the rest, so that every problem shows;
+                    // stop when nothing can be set aside.
+                    if problems.0.len() >= MAX_REPORTED || !remove_at(&mut table, &path) {
+                        break None;
+                    }
+                }
+            }
+        };
+        match config {
+            Some(config) if problems.is_empty() => {
+                config.check()?;
+                Ok(config)
+            }
+            _ => Err(ConfigErrors(problems.0)),
+        }
+    }
+
+    /// Reads a TOML configuration file ([`Config::from_toml`]).
+    pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Config, ConfigErrors> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigErrors::one("", format!("{}: {e}", path.display())))?;
+        Config::from_toml(&text)
+    }
+
+    /// Reads a configuration in any serde format: the first type error or unknown field
+    /// stops the reading (with its path); the values are then checked in full.
+    pub fn from_deserializer<'de, D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Config, ConfigErrors> {
+        let config: Config = serde_path_to_error::deserialize(deserializer).map_err(|e| {
+            let path = e.path().to_string();
+            let path = if path == "." { String::new() } else { path };
+            ConfigErrors::one(path, e.into_inner())
+        })?;
+        config.check()?;
+        Ok(config)
+    }
+
+    /// The configuration as TOML, which [`Config::from_toml`] reads back to the same value.
+    pub fn to_toml(&self) -> Result<String, ConfigErrors> {
+        toml::to_string(self).map_err(|e| ConfigErrors::one("", e))
+    }
+
+    /// Checks every value that needs no code bindings: policies, names, routes, keys,
+    /// networks, the overload layers. Building checks the rest (the bindings a file names).
+    pub fn validate(&self) -> Result<(), ConfigErrors> {
+        self.check()
+    }
+}
+
+/// Removes the value at `path` (`rules[2].policies[0].window`) from `table`, or its
+/// innermost existing parent's entry; whether anything was removed.
+fn remove_at(table: &mut toml::Table, path: &str) -> bool {
+    let steps = split_path(path);
+    if steps.is_empty() {
+        return false;
+    }
+    remove_steps(table, &steps)
+}
+
+#[derive(Debug, PartialEq)]
+enum Step<'a> {
+    Key(&'a str),
+    Index(usize),
+}
+
+fn split_path(path: &str) -> Vec<Step<'_>> {
+    let mut steps = Vec::new();
+    for part in path.split('.') {
+        let (name, mut rest) = match part.find('[') {
+            Some(at) => (&part[..at], &part[at..]),
+            None => (part, ""),
+        };
+        if !name.is_empty() {
+            steps.push(Step::Key(name));
+        }
+        while let Some(end) = rest.find(']') {
+            match rest[1..end].parse() {
+                Ok(i) => steps.push(Step::Index(i)),
+                Err(_) => return steps,
+            }
+            rest = &rest[end + 1..];
+        }
+    }
+    steps
+}
+
+fn remove_steps(table: &mut toml::Table, steps: &[Step<'_>]) -> bool {
+    let Some((Step::Key(first), rest)) = steps.split_first() else {
+        return false;
+    };
+    if rest.is_empty() {
+        return table.remove(*first).is_some();
+    }
+    let Some(child) = table.get_mut(*first) else {
+        return false;
+    };
+    if remove_in(child, rest) {
+        return true;
+    }
+    // The path ends inside a value that cannot be walked: drop the whole entry.
+    table.remove(*first).is_some()
+}
+
+fn remove_in(value: &mut toml::Value, steps: &[Step<'_>]) -> bool {
+    match (value, steps.split_first()) {
+        (toml::Value::Table(table), Some((Step::Key(_), _))) => remove_steps(table, steps),
+        (toml::Value::Array(items), Some((Step::Index(i), rest))) => {
+            if rest.is_empty() {
+                if *i < items.len() {
+                    // Keep the indices of the items after it (their paths stay right).
+                    items[*i] = toml::Value::Table(toml::Table::new());
+                    return true;
+                }
+                return false;
+            }
+            match items.get_mut(*i) {
+                Some(item) => remove_in(item, rest),
+                None => false,
+            }
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_split() {
+        assert_eq!(
+            split_path("rules[2].policies[0].window"),
+            [
+                Step::Key("rules"),
+                Step::Index(2),
+                Step::Key("policies"),
+                Step::Index(0),
+                Step::Key("window")
+            ]
+        );
+        assert_eq!(split_path("store"), [Step::Key("store")]);
+        assert!(split_path("").is_empty());
+    }
+}

@@ -1,0 +1,575 @@
+//! The configuration file: every error path, round trips, layers from a file and from code,
+//! and reload (state kept, bad files refused, no request lost under load).
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use tollgate::config::{
+    AlgorithmConfig, Bindings, Config, HumanRate, KeyConfig, KeyKind, PolicyConfig, RuleConfig,
+};
+use tollgate::key::Header;
+use tollgate::limiter::Rule;
+use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+use tower::{Service, ServiceBuilder, ServiceExt};
+
+/// Every field of the format, once (the example of the module docs, in memory).
+const FULL: &str = r#"
+[store]
+kind = "memory"
+max_keys = 50000
+shards = 16
+max_key_len = 200
+
+[keys.client]
+kind = "forwarded"
+trusted = ["10.0.0.0/8", "fd00::/8"]
+rfc7239 = true
+ipv4_prefix = 24
+ipv6_prefix = 56
+
+[keys.peer]
+kind = "peer_ip"
+
+[keys.api_key]
+kind = "header"
+header = "x-api-key"
+
+[keys.caller]
+kind = "any_of"
+of = ["api_key", "client"]
+
+[keys.both]
+kind = "all_of"
+of = ["api_key", "peer"]
+
+[keys.tenant]
+kind = "custom"
+binding = "tenant"
+
+[answers]
+headers = "both"
+legacy_reset = "unix_seconds"
+unavailable_retry_after = "3s"
+decision_extension = false
+
+[[rules]]
+name = "search"
+methods = ["GET", "post"]
+exact_methods = true
+path_prefix = "/search"
+key = "caller"
+cost = 5
+on_missing_key = "skip"
+policies = [
+  { algorithm = "token_bucket", rate = "100/minute", burst = 50 },
+  { algorithm = "fixed_window", limit = 10000, window = "1d", name = "daily" },
+  { algorithm = "sliding_window", rate = "600 per 1h" },
+  { algorithm = "sliding_log", limit = 20, window = "15m" },
+  { algorithm = "leaky_bucket", rate = "10/s", burst = 30 },
+  { algorithm = "gcra", rate = "5/s" },
+]
+
+[[rules]]
+name = "plan"
+route = "/users/{id}"
+key = "api_key"
+on_missing_key = 401
+shadow = true
+[rules.tiers]
+resolver = "plans"
+keys = { "k-internal" = "pro" }
+default = "free"
+cache_for = "5m"
+cache_capacity = 1000
+plans = [
+  { name = "free", policies = [{ algorithm = "gcra", rate = "60/minute", burst = 10 }] },
+  { name = "pro", policies = [{ algorithm = "gcra", rate = "600/minute", burst = 100 }] },
+]
+
+[[rules]]
+name = "login"
+path = "/login"
+key = "both"
+policies = [{ algorithm = "sliding_log", rate = "5 per 15m" }]
+
+[concurrency]
+total = 512
+queue = { max_waiting = 64, max_wait = "100ms" }
+rules = [{ name = "exports", methods = ["GET"], path_prefix = "/export", key = "tenant", on_missing_key = "skip", max_in_flight = 2 }]
+
+[shed]
+limit = "vegas"
+initial = 100
+min = 10
+max = 1000
+class_header = "x-criticality"
+shares = { sheddable = 0.5, critical = 0.95 }
+fair_by = "tenant"
+fair_from = 0.7
+queue = { max_waiting = 100, max_wait = "50ms" }
+deadline_header = "grpc-timeout"
+"#;
+
+#[derive(Clone)]
+struct Tenant(String);
+
+impl std::fmt::Display for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn bindings() -> Bindings {
+    Bindings::new()
+        .key("tenant", tollgate::key::Extension::<Tenant>::new())
+        .resolver("plans", |key: String| async move {
+            key.starts_with("pro-").then(|| "pro".to_owned())
+        })
+}
+
+/// Every field of the full file is read, and every layer builds.
+#[tokio::test]
+async fn the_full_file_builds_every_layer() {
+    let config = Config::from_toml(FULL).unwrap();
+    assert_eq!(config.rules.len(), 3);
+    assert_eq!(config.keys.len(), 6);
+    let store = config.store().await.unwrap();
+    assert!(store.memory().is_some());
+    let layer = config.rate_limit_layer(store.clone(), &bindings()).unwrap();
+    assert_eq!(
+        layer.limiter().rule_names().collect::<Vec<_>>(),
+        ["search", "plan", "login"]
+    );
+    assert!(
+        store
+            .concurrency_layer(&config, &bindings())
+            .unwrap()
+            .is_some()
+    );
+    assert!(config.shed_layer(&bindings()).unwrap().is_some());
+}
+
+/// A file written back is read back to the same value, and so is one written in code.
+#[test]
+fn round_trips() {
+    let config = Config::from_toml(FULL).unwrap();
+    let text = config.to_toml().unwrap();
+    assert_eq!(Config::from_toml(&text).unwrap(), config, "{text}");
+
+    let mut code = Config::default();
+    let mut key = KeyConfig::default();
+    key.kind = KeyKind::Header;
+    key.header = Some("x-api-key".into());
+    code.keys.insert("api".into(), key);
+    let mut rule = RuleConfig::default();
+    rule.name = "per-key".into();
+    rule.key = Some("api".into());
+    rule.cost = Some(2);
+    let mut policy = PolicyConfig::new(AlgorithmConfig::Gcra);
+    policy.rate = Some(HumanRate::from(Rate::new(7, Duration::from_millis(1500))));
+    policy.burst = Some(9);
+    rule.policies.push(policy);
+    code.rules.push(rule);
+    let text = code.to_toml().unwrap();
+    assert_eq!(Config::from_toml(&text).unwrap(), code, "{text}");
+    // An empty file is the default configuration, and writes back as nearly nothing.
+    assert_eq!(Config::from_toml("").unwrap(), Config::default());
+}
+
+/// Every problem of a file is reported at once, each with its field's path.
+#[test]
+fn every_error_is_reported_with_its_path() {
+    let bad = r#"
+[store]
+kind = "memory"
+url = "redis://x"
+shards = 3
+
+[keys.client]
+kind = "forwarded"
+trusted = ["10.0.0.0/8", "10.0.0.0/33"]
+
+[keys.h]
+kind = "header"
+header = "bad header"
+
+[keys.loop]
+kind = "any_of"
+of = ["loop", "h"]
+
+[answers]
+headers = "ietf"
+
+[[rules]]
+name = "ok"
+policies = [{ algorithm = "gcra", rate = "10/s" }]
+
+[[rules]]
+name = "ok"
+key = "nope"
+methods = ["G E T"]
+path = "/a"
+path_prefix = "/b"
+policies = [
+  { algorithm = "fixed_window", limit = 0, window = "1m" },
+  { algorithm = "sliding_log", limit = 5 },
+  { algorithm = "gcra", rate = "10/s", window = "1s" },
+  { algorithm = "token_bucket", rate = "0/s" },
+  { algorithm = "fixed_window", limit = 5, window = "0s" },
+  { algorithm = "gcra", rate = "1/s", name = "bad name!" },
+]
+
+[[rules]]
+name = "bad name!"
+on_missing_key = 200
+policies = [{ algorithm = "gcra", rate = "10/s" }]
+cost = 20
+
+[[rules]]
+name = "none"
+
+[shed]
+limit = "aimd"
+initial = 0
+shares = { urgent = 0.5 }
+"#;
+    let errors = Config::from_toml(bad).unwrap_err();
+    let text = errors.to_string();
+    assert_eq!(
+        errors.paths(),
+        [
+            "keys.client.trusted[1]",
+            "keys.h.header",
+            "keys.loop.of",
+            "store.url",
+            "store.shards",
+            "rules[1].name",
+            "rules[1].methods[0]",
+            "rules[1].path_prefix",
+            "rules[1].key",
+            "rules[1].policies[0].limit",
+            "rules[1].policies[1].window",
+            "rules[1].policies[2].window",
+            "rules[1].policies[3].rate",
+            "rules[1].policies[4].window",
+            "rules[1].policies[5].name",
+            "rules[2].name",
+            "rules[2].on_missing_key",
+            "rules[2].cost",
+            "rules[3].policies",
+            "shed.initial",
+            "shed.latency",
+        ],
+        "{text}"
+    );
+    assert!(
+        text.contains("rules[1].policies[0].limit: the limit"),
+        "{text}"
+    );
+    assert!(
+        text.contains("rules[1].policies[4].window: the window"),
+        "{text}"
+    );
+}
+
+/// Unknown fields and values of the wrong type are all reported, not only the first.
+#[test]
+fn unknown_fields_and_types_are_all_reported() {
+    let bad = r#"
+[store]
+kind = "disk"
+
+[answers]
+header = "ietf"
+
+[[rules]]
+name = "a"
+polices = []
+
+[[rules]]
+name = "b"
+cost = "two"
+policies = [{ algorithm = "gcra", rate = "ten per second", burst = 5 }]
+"#;
+    let errors = Config::from_toml(bad).unwrap_err();
+    let text = errors.to_string();
+    assert_eq!(
+        errors.paths(),
+        [
+            "answers.header",
+            "rules[0].polices",
+            "rules[1].cost",
+            "rules[1].policies[0].rate",
+            "store.kind",
+        ],
+        "{text}"
+    );
+    assert!(text.contains("unknown field `header`"), "{text}");
+    // Not TOML at all: the syntax error, with its place.
+    let errors = Config::from_toml("[rules\nname = 1").unwrap_err();
+    assert!(errors.to_string().starts_with("not TOML"), "{errors}");
+}
+
+/// Bindings a file names but code did not give are errors at build time, with their paths.
+#[test]
+fn unbound_names_are_errors() {
+    let config = Config::from_toml(FULL).unwrap();
+    let errors = config
+        .rate_limit_layer(MemoryStore::new(), &Bindings::new())
+        .unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        ["keys.tenant.binding", "rules[1].tiers.resolver"],
+        "{errors}"
+    );
+}
+
+type App = tower::util::BoxCloneSyncService<Request<String>, Response<String>, Infallible>;
+type Ok = fn(Request<String>) -> std::future::Ready<Result<Response<String>, Infallible>>;
+
+fn app<L>(layer: L) -> App
+where
+    L: tower::Layer<tower::util::ServiceFn<Ok>>,
+    L::Service: Service<Request<String>, Response = Response<String>, Error = Infallible>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    <L::Service as Service<Request<String>>>::Future: Send + 'static,
+{
+    fn ok(_: Request<String>) -> std::future::Ready<Result<Response<String>, Infallible>> {
+        std::future::ready(Ok(Response::new(String::new())))
+    }
+    let service = ServiceBuilder::new()
+        .layer(layer)
+        .service(tower::service_fn(ok as Ok));
+    tower::util::BoxCloneSyncService::new(service)
+}
+
+async fn send(service: &App, path: &str, api_key: &str) -> Response<String> {
+    let request = Request::get(path)
+        .header("x-api-key", api_key)
+        .body(String::new())
+        .unwrap();
+    service.clone().oneshot(request).await.unwrap()
+}
+
+fn field(response: &Response<String>, name: &str) -> String {
+    response
+        .headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default()
+}
+
+/// The same limits from a file and from code answer the same, field for field.
+#[tokio::test]
+async fn a_layer_from_a_file_is_the_layer_from_code() {
+    let config = Config::from_toml(
+        r#"
+        keys.api = { kind = "header", header = "x-api-key" }
+        [[rules]]
+        name = "per-key"
+        key = "api"
+        policies = [
+          { algorithm = "gcra", rate = "2/s", burst = 3 },
+          { algorithm = "fixed_window", rate = "5/minute", name = "minute" },
+        ]
+        [[rules]]
+        name = "export"
+        path_prefix = "/export"
+        cost = 2
+        policies = [{ algorithm = "token_bucket", rate = "1/s", burst = 4 }]
+        "#,
+    )
+    .unwrap();
+    let clock = tollgate::clock::ManualClock::new();
+    let from_file = app(config
+        .rate_limit_layer(MemoryStore::with_clock(clock.clone()), &Bindings::new())
+        .unwrap());
+    let from_code = app(
+        RateLimitLayer::builder(MemoryStore::with_clock(clock.clone()))
+            .rule(
+                Rule::new("per-key")
+                    .key(Header::from_static("x-api-key"))
+                    .policy(Policy::gcra(Rate::per_second(2), 3).unwrap())
+                    .policy(
+                        Policy::fixed_window(5, Duration::from_secs(60))
+                            .unwrap()
+                            .named("minute")
+                            .unwrap(),
+                    ),
+            )
+            .rule(
+                Rule::new("export")
+                    .path_prefix("/export")
+                    .cost(2)
+                    .policy(Policy::token_bucket(Rate::per_second(1), 4).unwrap()),
+            )
+            .build()
+            .unwrap(),
+    );
+    for step in 0..12 {
+        let path = if step % 3 == 0 { "/export/x" } else { "/" };
+        let key = if step % 5 == 0 { "k2" } else { "k1" };
+        let a = send(&from_file, path, key).await;
+        let b = send(&from_code, path, key).await;
+        assert_eq!(a.status(), b.status(), "step {step}");
+        for name in ["ratelimit", "ratelimit-policy", "retry-after"] {
+            assert_eq!(field(&a, name), field(&b, name), "step {step}, {name}");
+        }
+        clock.advance(Duration::from_millis(150));
+    }
+}
+
+const RELOAD_A: &str = r#"
+keys.api = { kind = "header", header = "x-api-key" }
+[[rules]]
+name = "per-key"
+key = "api"
+policies = [{ algorithm = "fixed_window", limit = 3, window = "1h" }]
+[[rules]]
+name = "global"
+policies = [{ algorithm = "fixed_window", limit = 6, window = "1h", name = "all" }]
+"#;
+
+/// A reload keeps what clients consumed under unchanged (rule, policy) pairs, starts changed
+/// policies fresh, and refuses a bad file or a changed store, keeping the old configuration.
+#[tokio::test]
+async fn reload_keeps_state_and_refuses_bad_files() {
+    let config = Config::from_toml(RELOAD_A).unwrap();
+    let store = MemoryStore::new();
+    let (layer, reloader) = config
+        .reloadable_rate_limit_layer(store.clone(), Bindings::new())
+        .unwrap();
+    let service = app(layer.clone());
+    for _ in 0..3 {
+        assert_eq!(send(&service, "/", "k1").await.status(), StatusCode::OK);
+    }
+    assert_eq!(
+        send(&service, "/", "k1").await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    // The same rules plus one: k1 stays exhausted (its state is kept).
+    let with_extra = format!(
+        "{RELOAD_A}\n[[rules]]\nname = \"extra\"\npolicies = [{{ algorithm = \"gcra\", rate = \"100/s\" }}]\n"
+    );
+    let summary = reloader.reload_toml(&with_extra).unwrap();
+    assert_eq!(summary.added, ["extra"]);
+    assert!(summary.changed.is_empty() && summary.removed.is_empty());
+    assert_eq!(
+        send(&service, "/", "k1").await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(send(&service, "/", "k2").await.status(), StatusCode::OK);
+    assert_eq!(layer.limiter().rule_names().count(), 3);
+
+    // A bad file: refused with its errors, the running rules stay.
+    let bad = RELOAD_A.replace("limit = 3", "limit = 0");
+    let errors = reloader.reload_toml(&bad).unwrap_err();
+    assert_eq!(errors.paths(), ["rules[0].policies[0].limit"]);
+    assert_eq!(reloader.current().rules.len(), 3);
+    assert_eq!(
+        send(&service, "/", "k1").await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    // A changed store: refused, whatever else the file says.
+    let moved = format!("store.max_keys = 10\n{with_extra}");
+    let errors = reloader.reload_toml(&moved).unwrap_err();
+    assert_eq!(errors.paths(), ["store"]);
+
+    // The per-key policy changed (a new limit): new state, so k1 gets its allowance again;
+    // the global policy is unchanged and keeps counting: 4 admitted so far, 2 left.
+    let raised = RELOAD_A.replace("limit = 3", "limit = 4");
+    let summary = reloader.reload_toml(&raised).unwrap();
+    assert_eq!(summary.changed, ["per-key"]);
+    assert_eq!(summary.removed, ["extra"]);
+    assert_eq!(send(&service, "/", "k1").await.status(), StatusCode::OK);
+    assert_eq!(send(&service, "/", "k2").await.status(), StatusCode::OK);
+    let refused = send(&service, "/", "k3").await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        field(&refused, "ratelimit").starts_with(r#""all";r=0"#),
+        "{:?}",
+        refused.headers()
+    );
+}
+
+/// Under concurrent requests, reloads back and forth lose no request, and no request sees
+/// half of one configuration and half of the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_under_load_is_atomic_and_loses_nothing() {
+    let config_named = |name: &str| {
+        Config::from_toml(&format!(
+            r#"
+            [[rules]]
+            name = "one"
+            policies = [{{ algorithm = "gcra", rate = "1000000/s", name = "{name}" }}]
+            [[rules]]
+            name = "two"
+            policies = [{{ algorithm = "gcra", rate = "1000000/s", name = "{name}" }}]
+            "#
+        ))
+        .unwrap()
+    };
+    let (layer, reloader) = config_named("a")
+        .reloadable_rate_limit_layer(MemoryStore::new(), Bindings::new())
+        .unwrap();
+    let service = app(layer);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        let service = service.clone();
+        let stop = stop.clone();
+        clients.push(tokio::spawn(async move {
+            let (mut answered, mut seen) = (0u64, std::collections::BTreeSet::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let response = send(&service, "/", "k").await;
+                assert_eq!(response.status(), StatusCode::OK);
+                let policy = field(&response, "ratelimit-policy");
+                // Both rules' policies carry one configuration's name, never a mix.
+                assert!(
+                    policy == r#""a";q=1000000;w=1, "a";q=1000000;w=1"#
+                        || policy == r#""b";q=1000000;w=1, "b";q=1000000;w=1"#,
+                    "{policy}"
+                );
+                seen.insert(policy);
+                answered += 1;
+                tokio::task::yield_now().await;
+            }
+            (answered, seen.len())
+        }));
+    }
+    for i in 0..200 {
+        let name = if i % 2 == 0 { "b" } else { "a" };
+        reloader.reload(config_named(name)).unwrap();
+        tokio::task::yield_now().await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut total = 0;
+    for client in clients {
+        let (answered, _) = client.await.unwrap();
+        total += answered;
+    }
+    assert!(total > 0);
+}
+
+/// The file of the module docs is a valid configuration.
+#[cfg(feature = "redis")]
+#[test]
+fn the_documented_file_is_valid() {
+    let source = include_str!("../src/config/mod.rs");
+    let start = source.find("//! ```toml\n").unwrap() + "//! ```toml\n".len();
+    let end = start + source[start..].find("//! ```\n").unwrap();
+    let text: String = source[start..end]
+        .lines()
+        .map(|line| line.strip_prefix("//!").unwrap().strip_prefix(' ').unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let config = Config::from_toml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert_eq!(config.rules.len(), 2);
+    assert!(config.concurrency.is_some() && config.shed.is_some());
+}
