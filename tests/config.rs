@@ -566,7 +566,12 @@ fn the_documented_file_is_valid() {
     let end = start + source[start..].find("//! ```\n").unwrap();
     let text: String = source[start..end]
         .lines()
-        .map(|line| line.strip_prefix("//!").unwrap().strip_prefix(' ').unwrap_or(""))
+        .map(|line| {
+            line.strip_prefix("//!")
+                .unwrap()
+                .strip_prefix(' ')
+                .unwrap_or("")
+        })
         .collect::<Vec<_>>()
         .join("\n");
     let config = Config::from_toml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
