@@ -578,3 +578,33 @@ fn the_documented_file_is_valid() {
     assert_eq!(config.rules.len(), 2);
     assert!(config.concurrency.is_some() && config.shed.is_some());
 }
+
+/// Absurd key graphs are refused quickly with a clear error: a cycle, too many parts, and a
+/// diamond that would be exponential if each reference were built anew.
+#[test]
+fn absurd_keys_are_refused() {
+    let errors = Config::from_toml(
+        r#"
+        keys.a = { kind = "any_of", of = ["b", "peer"] }
+        keys.b = { kind = "all_of", of = ["a", "peer"] }
+        keys.peer = { kind = "peer_ip" }
+        keys.wide = { kind = "any_of", of = ["peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer", "peer"] }
+        "#,
+    )
+    .unwrap_err();
+    assert!(
+        errors.to_string().contains("nested more than 8 deep"),
+        "{errors}"
+    );
+    assert!(errors.paths().contains(&"keys.wide.of"), "{errors}");
+    // A diamond 8 deep with 16 parts a level: built once per name, so at once.
+    let mut text = String::from("keys.k0 = { kind = \"peer_ip\" }\n");
+    for level in 1..8 {
+        let parts = vec![format!("\"k{}\"", level - 1); 16].join(", ");
+        text.push_str(&format!(
+            "keys.k{level} = {{ kind = \"any_of\", of = [{parts}] }}\n"
+        ));
+    }
+    text.push_str("[[rules]]\nname = \"r\"\nkey = \"k7\"\npolicies = [{ algorithm = \"gcra\", rate = \"1/s\" }]\n");
+    Config::from_toml(&text).unwrap();
+}

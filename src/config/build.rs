@@ -138,6 +138,9 @@ impl TierResolver for ListedThenResolved {
 /// The most nested `any_of` / `all_of` keys.
 const MAX_KEY_DEPTH: usize = 8;
 
+/// The most keys one `any_of` / `all_of` combines.
+const MAX_KEY_PARTS: usize = 16;
+
 /// Builds the parts of a configuration, noting every problem. Without bindings (a check of
 /// the file alone) names of bindings are not looked up.
 pub(crate) struct Builder<'a> {
@@ -181,9 +184,7 @@ impl<'a> Builder<'a> {
         }
         let spec = self.config.keys.get(name)?;
         let built = self.key(spec, &path, depth);
-        if depth == 0 {
-            self.keys.insert(name, built.clone());
-        }
+        self.keys.insert(name, built.clone());
         built
     }
 
@@ -309,8 +310,11 @@ impl<'a> Builder<'a> {
                 }
             }
             KeyKind::AnyOf | KeyKind::AllOf => {
-                if spec.of.len() < 2 {
-                    p.add(format!("{path}.of"), "name at least two keys");
+                if spec.of.len() < 2 || spec.of.len() > MAX_KEY_PARTS {
+                    p.add(
+                        format!("{path}.of"),
+                        format!("name 2 to {MAX_KEY_PARTS} keys, not {}", spec.of.len()),
+                    );
                     return None;
                 }
                 if depth >= MAX_KEY_DEPTH {
@@ -322,15 +326,14 @@ impl<'a> Builder<'a> {
                 }
                 let mut parts = Vec::new();
                 for (i, name) in spec.of.iter().enumerate() {
-                    let Some(part_spec) = self.config.keys.get(name) else {
+                    if !self.config.keys.contains_key(name) {
                         self.problems.add(
                             format!("{path}.of[{i}]"),
                             format!("no key named {name:?} in [keys]"),
                         );
                         return None;
-                    };
-                    let part = self.key(part_spec, &format!("keys.{name}"), depth + 1)?;
-                    parts.push(part);
+                    }
+                    parts.push(self.named_key(name, depth + 1)?);
                 }
                 let mut parts = parts.into_iter().rev();
                 let mut combined = parts.next()?;
@@ -867,8 +870,11 @@ impl<'a> Builder<'a> {
             p.add("store.max_keys", "must be at least 1");
         }
         if let Some(shards) = s.shards {
-            if shards == 0 || !shards.is_power_of_two() {
-                p.add("store.shards", format!("{shards}: give a power of two"));
+            if shards == 0 || !shards.is_power_of_two() || shards > 1 << 16 {
+                p.add(
+                    "store.shards",
+                    format!("{shards}: give a power of two up to 65536"),
+                );
             }
         }
         if s.max_key_len == Some(0) {
@@ -898,8 +904,8 @@ impl<'a> Builder<'a> {
                     p.add("store.timeout", "must be above zero");
                 }
             }
-            if s.pool_size == Some(0) {
-                p.add("store.pool_size", "must be at least 1");
+            if let Some(n) = s.pool_size.filter(|n| !(1..=256).contains(n)) {
+                p.add("store.pool_size", format!("{n}: give 1 to 256"));
             }
             if s.instances == Some(0) {
                 p.add("store.instances", "must be at least 1");
