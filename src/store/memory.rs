@@ -911,16 +911,16 @@ impl<C: Clock> MemoryStore<C> {
             .collect();
         let now = inner.clock.now();
 
-        let mut verdict: Option<Decision> = None;
+        let mut verdict: Option<(Decision, u64)> = None;
         for item in &mut items {
             let shard = guard_for(&mut guards, inner.shard_index(item.hash));
             let (decision, update) =
                 with_kept!(item.policy.algorithm(), K => decide_in::<K>(shard, item, now));
             item.update = Some(update);
-            let decision = decision.with_index(item.index);
-            verdict = Some(verdict.map_or(decision, |v| v.most_restrictive(decision)));
+            let decision = (decision.with_index(item.index), item.cost);
+            verdict = Some(verdict.map_or(decision, |v| crate::decision::tighter(v, decision)));
         }
-        let verdict = verdict.unwrap_or(NOTHING_TO_CHECK);
+        let verdict = verdict.map_or(NOTHING_TO_CHECK, |(d, _)| d);
         if !verdict.allowed() {
             return Ok(verdict);
         }

@@ -835,7 +835,7 @@ impl Inner {
         answers: impl IntoIterator<Item = (&'b Answer, SmallVec<[&'a Item; 4]>)>,
     ) -> Decision {
         let now = self.local.now();
-        let mut decisions: SmallVec<[Decision; 4]> = SmallVec::new();
+        let mut decisions: SmallVec<[(Decision, u64); 4]> = SmallVec::new();
         for (answer, items) in answers {
             for ((d, _, _), item) in answer.decisions.iter().zip(items) {
                 if !d.allowed() {
@@ -843,15 +843,15 @@ impl Inner {
                         deny.insert(item.deny_hash, item.cost, call.sent, now, *d);
                     }
                 }
-                decisions.push(*d);
+                decisions.push((*d, item.cost));
             }
         }
         // In the order of the checks, as the in-process store folds them (ties keep the first).
-        decisions.sort_by_key(Decision::index);
+        decisions.sort_by_key(|(d, _)| d.index());
         decisions
             .into_iter()
-            .reduce(Decision::most_restrictive)
-            .unwrap_or(NOTHING_TO_CHECK)
+            .reduce(crate::decision::tighter)
+            .map_or(NOTHING_TO_CHECK, |(d, _)| d)
     }
 
     /// The items grouped by slot, in the order `consume_across_slots` answers them (one group
