@@ -64,13 +64,39 @@ struct Machine {
 }
 
 impl Machine {
-    fn set(&mut self, state: BreakerState) {
-        if std::mem::discriminant(&state) != std::mem::discriminant(&self.state) {
-            self.epoch = self.epoch.wrapping_add(1);
-        }
+    /// Moves to `state`; the change of status, if there is one, for the observer.
+    fn set(&mut self, state: BreakerState) -> Option<Change> {
+        let from = self.state;
         self.state = state;
+        if std::mem::discriminant(&state) == std::mem::discriminant(&from) {
+            return None;
+        }
+        self.epoch = self.epoch.wrapping_add(1);
+        Some(Change {
+            from: status(from),
+            to: status(state),
+        })
     }
 }
+
+fn status(state: BreakerState) -> BreakerStatus {
+    match state {
+        BreakerState::Closed { .. } => BreakerStatus::Closed,
+        BreakerState::Open { .. } => BreakerStatus::Open,
+        BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen,
+    }
+}
+
+/// A change of the breaker's status, as its observer is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Change {
+    pub(crate) from: BreakerStatus,
+    pub(crate) to: BreakerStatus,
+}
+
+/// Told of every change of status, after the breaker's lock is released (for metrics and
+/// logs).
+pub(crate) type Observer = Box<dyn Fn(Change) + Send + Sync>;
 
 /// Whether a call may go through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,7 +109,6 @@ pub(crate) enum Permit {
 }
 
 /// A circuit breaker on a clock.
-#[derive(Debug)]
 pub(crate) struct Breaker<C> {
     clock: C,
     threshold: u32,
@@ -92,6 +117,19 @@ pub(crate) struct Breaker<C> {
     /// whose calls time out by themselves).
     probe_timeout: Option<Duration>,
     machine: Mutex<Machine>,
+    observer: Option<Observer>,
+}
+
+impl<C: std::fmt::Debug> std::fmt::Debug for Breaker<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Breaker")
+            .field("clock", &self.clock)
+            .field("threshold", &self.threshold)
+            .field("open_for", &self.open_for)
+            .field("probe_timeout", &self.probe_timeout)
+            .field("machine", &self.machine)
+            .finish_non_exhaustive()
+    }
 }
 
 fn nanos(d: Duration) -> Option<u64> {
@@ -112,7 +150,28 @@ impl<C: Clock> Breaker<C> {
                 epoch: 0,
                 next_probe: None,
             }),
+            observer: None,
         }
+    }
+
+    /// Tells `observer` of every change of status.
+    #[cfg_attr(not(any(feature = "metrics", feature = "tracing")), allow(dead_code))]
+    pub(crate) fn observe(mut self, observer: Observer) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Tells the observer of `change`, if any (call it with the lock released).
+    fn notify(&self, change: Option<Change>) {
+        if let (Some(observer), Some(change)) = (&self.observer, change) {
+            observer(change);
+        }
+    }
+
+    /// The clock's time now, in nanoseconds.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    pub(crate) fn now(&self) -> u64 {
+        self.clock.now()
     }
 
     /// Lets another probe go when one has stayed unanswered for `timeout` (its answer, should
@@ -131,11 +190,7 @@ impl<C: Clock> Breaker<C> {
 
     /// The state now, as reported.
     pub(crate) fn status(&self) -> BreakerStatus {
-        match self.state() {
-            BreakerState::Closed { .. } => BreakerStatus::Closed,
-            BreakerState::Open { .. } => BreakerStatus::Open,
-            BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen,
-        }
+        status(self.state())
     }
 
     /// How long until the next probe may go: zero when closed or due, `open_for` while a probe
@@ -158,22 +213,25 @@ impl<C: Clock> Breaker<C> {
     pub(crate) fn permit(&self) -> Permit {
         let mut machine = self.machine.lock();
         let now = self.clock.now();
-        match machine.state {
-            BreakerState::Closed { .. } => Permit::Call(machine.epoch),
+        let (permit, change) = match machine.state {
+            BreakerState::Closed { .. } => return Permit::Call(machine.epoch),
             BreakerState::Open { until: Some(until) } if now >= until => self.probe(&mut machine),
             BreakerState::HalfOpen { .. } if machine.next_probe.is_some_and(|at| now >= at) => {
                 self.probe(&mut machine)
             }
-            BreakerState::Open { .. } | BreakerState::HalfOpen { .. } => Permit::Refuse,
-        }
+            BreakerState::Open { .. } | BreakerState::HalfOpen { .. } => return Permit::Refuse,
+        };
+        drop(machine);
+        self.notify(change);
+        permit
     }
 
-    fn probe(&self, machine: &mut Machine) -> Permit {
+    fn probe(&self, machine: &mut Machine) -> (Permit, Option<Change>) {
         machine.probes = machine.probes.wrapping_add(1);
         let probe = machine.probes;
-        machine.set(BreakerState::HalfOpen { probe });
+        let change = machine.set(BreakerState::HalfOpen { probe });
         machine.next_probe = self.probe_timeout.and_then(|t| self.after(t));
-        Permit::Probe(probe)
+        (Permit::Probe(probe), change)
     }
 
     /// Now plus `wait`, or `None` beyond the clock's range.
@@ -188,7 +246,9 @@ impl<C: Clock> Breaker<C> {
         let mut machine = self.machine.lock();
         if machine.state == (BreakerState::HalfOpen { probe }) {
             let until = self.after(wait);
-            machine.set(BreakerState::Open { until });
+            let change = machine.set(BreakerState::Open { until });
+            drop(machine);
+            self.notify(change);
         }
     }
 
@@ -208,7 +268,9 @@ impl<C: Clock> Breaker<C> {
         if Self::current(&machine, permit)
             && machine.state != (BreakerState::Closed { failures: 0 })
         {
-            machine.set(BreakerState::Closed { failures: 0 });
+            let change = machine.set(BreakerState::Closed { failures: 0 });
+            drop(machine);
+            self.notify(change);
         }
     }
 
@@ -231,7 +293,9 @@ impl<C: Clock> Breaker<C> {
         if open {
             // Saturated: an `open_for` beyond the clock's range never probes.
             let until = self.after(self.open_for);
-            machine.set(BreakerState::Open { until });
+            let change = machine.set(BreakerState::Open { until });
+            drop(machine);
+            self.notify(change);
         }
         open
     }
@@ -315,6 +379,46 @@ mod tests {
         let one = Breaker::new(ManualClock::new(), 0, Duration::MAX);
         assert!(one.failure(one.permit()));
         assert_eq!(one.next_probe_in(), None);
+    }
+
+    /// The observer hears each change of status once: open, half open, closed, and a probe
+    /// released back to open; a failure that does not open it, or a success while closed, is
+    /// no change.
+    #[test]
+    fn the_observer_hears_every_change_of_status() {
+        use std::sync::Mutex as StdMutex;
+        let heard = Arc::new(StdMutex::new(Vec::new()));
+        let clock = ManualClock::new();
+        let b = {
+            let heard = Arc::clone(&heard);
+            Breaker::new(clock.clone(), 2, Duration::from_secs(3)).observe(Box::new(move |c| {
+                heard.lock().unwrap().push((c.from, c.to))
+            }))
+        };
+        let b = Arc::new(b);
+        b.success(b.permit());
+        b.failure(b.permit());
+        assert!(heard.lock().unwrap().is_empty());
+        b.failure(b.permit());
+        clock.advance(Duration::from_secs(3));
+        let probe = b.permit();
+        b.success(probe);
+        b.failure(b.permit());
+        b.failure(b.permit());
+        clock.advance(Duration::from_secs(3));
+        drop(ProbeGuard::new(Arc::clone(&b), b.permit()));
+        use BreakerStatus::*;
+        assert_eq!(
+            *heard.lock().unwrap(),
+            [
+                (Closed, Open),
+                (Open, HalfOpen),
+                (HalfOpen, Closed),
+                (Closed, Open),
+                (Open, HalfOpen),
+                (HalfOpen, Open),
+            ]
+        );
     }
 
     #[test]
