@@ -36,7 +36,8 @@ pub mod redis;
 pub mod resilient;
 
 pub use memory::{
-    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_KEYS, DEFAULT_SHARDS, MemoryStore, MemoryStoreBuilder,
+    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_KEYS, DEFAULT_MEMORY_STORE_NAME, DEFAULT_SHARDS, MemoryStore,
+    MemoryStoreBuilder,
 };
 pub use resilient::{FailurePolicy, ResilientStore};
 

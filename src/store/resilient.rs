@@ -64,6 +64,7 @@ use tokio::time::Instant;
 use super::{Check, MemoryStore, NOTHING_TO_CHECK, Store, StoreError};
 use crate::breaker::{Breaker, Permit, ProbeGuard};
 use crate::clock::TokioClock;
+use crate::telemetry::{Counter, Histogram, METRICS};
 use crate::{Algorithm, Decision, Policy, Rate};
 
 pub use crate::breaker::BreakerStatus;
@@ -74,6 +75,8 @@ pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_millis(250);
 pub const DEFAULT_BREAKER_FAILURES: u32 = 5;
 /// The default time the breaker stays open before a probe.
 pub const DEFAULT_BREAKER_OPEN_FOR: Duration = Duration::from_secs(1);
+/// The default name of a [`ResilientStore`] in metrics and logs.
+pub const DEFAULT_STORE_NAME: &str = "default";
 
 /// What to answer when the store fails or the breaker is open.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -117,12 +120,107 @@ struct Counters {
     breaker_opened: AtomicU64,
 }
 
+/// The metrics of a store, registered when it is built.
+struct Telemetry {
+    duration: Histogram,
+    /// By [`error_kind`].
+    errors: [Counter; 4],
+    /// The action of the store's failure policy.
+    action: Counter,
+}
+
+/// The `kind` labels of `tollgate_store_errors_total`, in the order of [`error_kind`].
+const ERROR_KINDS: [&str; 4] = ["timeout", "backend", "circuit_open", "invalid"];
+
+/// Which of [`ERROR_KINDS`] an error is.
+fn error_kind(error: &StoreError) -> usize {
+    match error {
+        StoreError::Timeout(_) => 0,
+        StoreError::Backend(_) => 1,
+        StoreError::CircuitOpen => 2,
+        _ => 3,
+    }
+}
+
+impl Telemetry {
+    fn new(store: &str, policy: FailurePolicy) -> Self {
+        use crate::metrics::{
+            STORE_DURATION_SECONDS, STORE_ERRORS_TOTAL, STORE_FAILURE_POLICY_TOTAL,
+        };
+        let action = match policy {
+            FailurePolicy::Open => "fail_open",
+            FailurePolicy::Closed => "fail_closed",
+            FailurePolicy::LocalFallback => "fallback",
+        };
+        Telemetry {
+            duration: Histogram::new(STORE_DURATION_SECONDS, &[("store", store)]),
+            errors: ERROR_KINDS
+                .map(|kind| Counter::new(STORE_ERRORS_TOTAL, &[("store", store), ("kind", kind)])),
+            action: Counter::new(
+                STORE_FAILURE_POLICY_TOTAL,
+                &[("store", store), ("action", action)],
+            ),
+        }
+    }
+
+    fn error(&self, error: &StoreError) {
+        self.errors[error_kind(error)].increment(1);
+    }
+}
+
+/// The breaker's observer: its state as a gauge, its transitions counted, and logged.
+#[cfg(any(feature = "metrics", feature = "tracing"))]
+fn breaker_observer(store: &Arc<str>, open_for: Duration) -> crate::breaker::Observer {
+    use crate::breaker::Change;
+    use crate::metrics::{BREAKER_STATE, BREAKER_TRANSITIONS_TOTAL};
+    use crate::telemetry::Gauge;
+    let state = Gauge::new(BREAKER_STATE, &[("store", store)]);
+    state.set(0.0);
+    let to = ["closed", "half_open", "open"]
+        .map(|to| Counter::new(BREAKER_TRANSITIONS_TOTAL, &[("store", store), ("to", to)]));
+    let store = Arc::clone(store);
+    Box::new(move |change: Change| {
+        let index = match change.to {
+            BreakerStatus::Closed => 0,
+            BreakerStatus::HalfOpen => 1,
+            BreakerStatus::Open => 2,
+        };
+        state.set(index as f64);
+        to[index].increment(1);
+        let _ = (&store, open_for);
+        match change.to {
+            BreakerStatus::Open => crate::telemetry::event!(
+                warn,
+                name: "tollgate.breaker.opened",
+                store = &*store,
+                open_for = ?open_for,
+                "the store's circuit breaker opened: calls take the failure policy without asking it"
+            ),
+            BreakerStatus::HalfOpen => crate::telemetry::event!(
+                debug,
+                name: "tollgate.breaker.half_open",
+                store = &*store,
+                "the store's circuit breaker lets a probe through"
+            ),
+            BreakerStatus::Closed => crate::telemetry::event!(
+                info,
+                name: "tollgate.breaker.closed",
+                store = &*store,
+                "the store's circuit breaker closed: the store answers again"
+            ),
+        }
+    })
+}
+
 /// Called for every call answered by the failure policy (see
 /// [`ResilientStoreBuilder::on_failure`]).
 type FailureHook = Arc<dyn Fn(&StoreError) + Send + Sync>;
 
 struct Shared<S> {
     store: S,
+    /// Its name in metrics and logs.
+    name: Arc<str>,
+    telemetry: Telemetry,
     hook: Option<FailureHook>,
     timeout: Duration,
     policy: FailurePolicy,
@@ -150,6 +248,7 @@ impl<S> Clone for ResilientStore<S> {
 impl<S> fmt::Debug for ResilientStore<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResilientStore")
+            .field("name", &self.shared.name)
             .field("timeout", &self.shared.timeout)
             .field("policy", &self.shared.policy)
             .field("breaker", &self.shared.breaker.state())
@@ -176,6 +275,7 @@ impl<S: Store> ResilientStore<S> {
             fallback: None,
             instances: 1,
             hook: None,
+            name: DEFAULT_STORE_NAME.to_owned(),
         }
     }
 
@@ -205,6 +305,11 @@ impl<S> ResilientStore<S> {
         }
     }
 
+    /// The store's name in metrics and logs (see [`ResilientStoreBuilder::name`]).
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
     /// The breaker's state now.
     pub fn breaker_state(&self) -> BreakerStatus {
         self.shared.breaker.status()
@@ -220,6 +325,7 @@ impl<S: Store> ResilientStore<S> {
         let max_key_len = shared.store.max_key_len().unwrap_or(usize::MAX);
         for (index, check) in checks.iter().enumerate() {
             if let Err(e) = check.validate(index, max_key_len) {
+                shared.telemetry.error(&e);
                 return ResilientFuture {
                     inner: Box::pin(std::future::ready(Err(e))),
                 };
@@ -239,6 +345,8 @@ impl<S: Store> ResilientStore<S> {
         };
         // What an admission by the Open policy reports: the tightest limit of the stack.
         let open_limit = checks.iter().map(|c| c.policy().limit()).min();
+        // Timed for the latency histogram only (the clock is read only with metrics).
+        let started = if METRICS { shared.breaker.now() } else { 0 };
         let call = match permit {
             Permit::Refuse => None,
             Permit::Call(_) | Permit::Probe(_) => Some(shared.store.check_all(checks)),
@@ -252,37 +360,48 @@ impl<S: Store> ResilientStore<S> {
                             .counters
                             .short_circuited
                             .fetch_add(1, Ordering::Relaxed);
-                        StoreError::CircuitOpen
+                        let e = StoreError::CircuitOpen;
+                        shared.telemetry.error(&e);
+                        e
                     }
-                    Some(call) => match tokio::time::timeout(shared.timeout, call).await {
-                        Ok(Ok(decision)) if decision.reached_backend() => {
-                            shared.breaker.success(permit);
-                            return Ok(decision);
+                    Some(call) => {
+                        let answer = tokio::time::timeout(shared.timeout, call).await;
+                        if METRICS {
+                            let took = shared.breaker.now().saturating_sub(started);
+                            shared.telemetry.duration.record_nanos(took);
                         }
-                        Ok(Ok(decision)) => {
-                            // Answered without the backend: says nothing of its health.
-                            probe.release();
-                            return Ok(decision);
+                        match answer {
+                            Ok(Ok(decision)) if decision.reached_backend() => {
+                                shared.breaker.success(permit);
+                                return Ok(decision);
+                            }
+                            Ok(Ok(decision)) => {
+                                // Answered without the backend: says nothing of its health.
+                                probe.release();
+                                return Ok(decision);
+                            }
+                            Ok(Err(
+                                e @ (StoreError::CostExceedsLimit { .. }
+                                | StoreError::KeyTooLong { .. }
+                                | StoreError::Unsupported { .. }),
+                            )) => {
+                                // The caller's mistake, not the store's: neither a failure nor
+                                // a success, and no failure policy.
+                                probe.release();
+                                shared.telemetry.error(&e);
+                                return Err(e);
+                            }
+                            Ok(Err(e)) => {
+                                shared.failure(permit, &e);
+                                e
+                            }
+                            Err(_) => {
+                                let e = StoreError::Timeout(shared.timeout);
+                                shared.failure(permit, &e);
+                                e
+                            }
                         }
-                        Ok(Err(
-                            e @ (StoreError::CostExceedsLimit { .. }
-                            | StoreError::KeyTooLong { .. }
-                            | StoreError::Unsupported { .. }),
-                        )) => {
-                            // The caller's mistake, not the store's: neither a failure nor a
-                            // success, and no failure policy.
-                            probe.release();
-                            return Err(e);
-                        }
-                        Ok(Err(e)) => {
-                            shared.failure(permit, matches!(e, StoreError::Timeout(_)));
-                            e
-                        }
-                        Err(_) => {
-                            shared.failure(permit, true);
-                            StoreError::Timeout(shared.timeout)
-                        }
-                    },
+                    }
                 };
                 shared.on_failure(error, &owned, open_limit)
             }),
@@ -291,11 +410,21 @@ impl<S: Store> ResilientStore<S> {
 }
 
 impl<S> Shared<S> {
-    fn failure(&self, permit: Permit, timeout: bool) {
+    /// A call that reached the store failed with `error`.
+    fn failure(&self, permit: Permit, error: &StoreError) {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
-        if timeout {
+        if matches!(error, StoreError::Timeout(_)) {
             self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
+        self.telemetry.error(error);
+        crate::telemetry::event!(
+            warn,
+            name: "tollgate.store.failed",
+            store = &*self.name,
+            kind = ERROR_KINDS[error_kind(error)],
+            error = %error,
+            "the rate-limit store failed"
+        );
         if self.breaker.failure(permit) {
             self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
         }
@@ -310,6 +439,7 @@ impl<S> Shared<S> {
         if let Some(hook) = &self.hook {
             hook(&error);
         }
+        self.telemetry.action.increment(1);
         match self.policy {
             FailurePolicy::Closed => Err(error),
             FailurePolicy::Open => {
@@ -433,11 +563,13 @@ pub struct ResilientStoreBuilder<S> {
     fallback: Option<MemoryStore>,
     instances: u64,
     hook: Option<FailureHook>,
+    name: String,
 }
 
 impl<S> fmt::Debug for ResilientStoreBuilder<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResilientStoreBuilder")
+            .field("name", &self.name)
             .field("timeout", &self.timeout)
             .field("policy", &self.policy)
             .field("threshold", &self.threshold)
@@ -455,6 +587,13 @@ impl<S: Store> ResilientStoreBuilder<S> {
     /// this is every request).
     pub fn on_failure(mut self, hook: impl Fn(&StoreError) + Send + Sync + 'static) -> Self {
         self.hook = Some(Arc::new(hook));
+        self
+    }
+
+    /// The store's name in metrics (the `store` label) and logs ([`DEFAULT_STORE_NAME`]
+    /// unless set): give each `ResilientStore` of a process its own.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
         self
     }
 
@@ -496,19 +635,27 @@ impl<S: Store> ResilientStoreBuilder<S> {
         self
     }
 
-    /// Builds the store.
+    /// Builds the store, and registers its metrics (feature `metrics`: install the recorder
+    /// first).
     pub fn build(self) -> ResilientStore<S> {
+        let name: Arc<str> = self.name.as_str().into();
+        let breaker = Breaker::new(TokioClock::new(), self.threshold, self.open_for);
+        #[cfg(any(feature = "metrics", feature = "tracing"))]
+        let breaker = breaker.observe(breaker_observer(&name, self.open_for));
+        let fallback = self.fallback.unwrap_or_else(|| {
+            MemoryStore::builder()
+                .name(format!("{name}-fallback"))
+                .build()
+        });
         ResilientStore {
             shared: Arc::new(Shared {
+                telemetry: Telemetry::new(&name, self.policy),
+                name,
                 store: self.store,
                 timeout: self.timeout,
                 policy: self.policy,
-                breaker: Arc::new(Breaker::new(
-                    TokioClock::new(),
-                    self.threshold,
-                    self.open_for,
-                )),
-                fallback: self.fallback.unwrap_or_default(),
+                breaker: Arc::new(breaker),
+                fallback,
                 instances: self.instances,
                 hook: self.hook,
                 divided: Mutex::new(HashMap::new()),
