@@ -497,7 +497,7 @@ fn tiered_limits(
         .map(|(t, _)| (t.clone(), Vec::new()))
         .collect();
     Ok(TieredLimits {
-        lookup: tiers.into_resolved(u16::try_from(default).unwrap_or(0)),
+        lookup: tiers.into_resolved(rule, u16::try_from(default).unwrap_or(0)),
         limits: limits.into_iter().map(|(_, max)| max).collect(),
     })
 }

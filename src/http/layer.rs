@@ -12,6 +12,7 @@ use super::service::RateLimit;
 use crate::Store;
 use crate::answer::{DefaultResponder, HeaderProfile, ResetFormat, Responder};
 use crate::limiter::{Limiter, LimiterBuilder, LimiterError, Rule, ShadowRejection};
+use crate::telemetry::KeyTrace;
 
 /// The default `Retry-After` of a 503 sent because the store could not decide.
 pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -93,6 +94,7 @@ impl<St: Store> RateLimitLayer<St> {
             responder: Arc::new(DefaultResponder),
             unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
             decision_extension: true,
+            key_trace: KeyTrace::None,
         }
     }
 
@@ -124,6 +126,11 @@ impl<St: Store> RateLimitLayer<St> {
             source: Source::Live(Arc::clone(&cell)),
         };
         (layer, cell)
+    }
+
+    /// How the decision span shows keys (see [`RateLimitLayerBuilder::trace_keys`]).
+    pub fn key_trace(&self) -> KeyTrace {
+        self.source.current().limiter.key_trace
     }
 }
 
@@ -163,6 +170,7 @@ pub struct RateLimitLayerBuilder<St> {
     responder: Arc<dyn Responder>,
     unavailable_retry_after: Duration,
     decision_extension: bool,
+    key_trace: KeyTrace,
 }
 
 impl<St: Store> RateLimitLayerBuilder<St> {
@@ -220,7 +228,17 @@ impl<St: Store> RateLimitLayerBuilder<St> {
         self
     }
 
-    /// Validates the rules and builds the layer.
+    /// How the DEBUG `tollgate.decision` span shows the keys a request was counted against
+    /// (feature `tracing`): not at all ([`KeyTrace::None`], the default), as a short stable
+    /// hash ([`KeyTrace::Hashed`]) or as they are ([`KeyTrace::Plain`]). Keys never appear
+    /// above DEBUG; see [`telemetry`](crate::telemetry).
+    pub fn trace_keys(mut self, trace: KeyTrace) -> Self {
+        self.key_trace = trace;
+        self
+    }
+
+    /// Validates the rules and builds the layer, and registers its metrics (feature
+    /// `metrics`: install the recorder first).
     pub fn build(self) -> Result<RateLimitLayer<St>, LimiterError> {
         Ok(RateLimitLayer {
             source: Source::Fixed(Arc::new(self.build_shared()?)),
@@ -229,7 +247,8 @@ impl<St: Store> RateLimitLayerBuilder<St> {
 
     /// What the layer's services share, unwrapped.
     pub(crate) fn build_shared(self) -> Result<Shared<St>, LimiterError> {
-        let limiter = self.limiter.build()?;
+        let mut limiter = self.limiter.build()?;
+        limiter.key_trace = self.key_trace;
         Ok(Shared {
             all_policies: all_policies(&limiter),
             limiter,
@@ -247,6 +266,7 @@ impl<St> fmt::Debug for RateLimitLayerBuilder<St> {
         f.debug_struct("RateLimitLayerBuilder")
             .field("limiter", &self.limiter)
             .field("profile", &self.profile)
+            .field("key_trace", &self.key_trace)
             .finish_non_exhaustive()
     }
 }
