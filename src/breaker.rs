@@ -108,6 +108,92 @@ pub(crate) enum Permit {
     Refuse,
 }
 
+/// Whose breaker it is, for its metrics and events.
+#[cfg(any(feature = "metrics", feature = "tracing"))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// A [`ResilientStore`](crate::store::ResilientStore)'s: labelled `store`.
+    Store,
+    /// An outbound `client::CircuitBreakerLayer`'s: labelled `client`.
+    #[cfg_attr(not(feature = "client"), allow(dead_code))]
+    Client,
+}
+
+/// The observer of the breaker named `name`: its state as a gauge (0 closed, 1 half open, 2
+/// open), its transitions counted, and each logged (opened: WARN, half open: DEBUG, closed:
+/// INFO).
+#[cfg(any(feature = "metrics", feature = "tracing"))]
+pub(crate) fn observer(role: Role, name: &Arc<str>, open_for: Duration) -> Observer {
+    use crate::metrics::{
+        BREAKER_STATE, BREAKER_TRANSITIONS_TOTAL, CLIENT_BREAKER_STATE,
+        CLIENT_BREAKER_TRANSITIONS_TOTAL,
+    };
+    use crate::telemetry::{Counter, Gauge, event};
+    let (state, transitions, label) = match role {
+        Role::Store => (BREAKER_STATE, BREAKER_TRANSITIONS_TOTAL, "store"),
+        Role::Client => (
+            CLIENT_BREAKER_STATE,
+            CLIENT_BREAKER_TRANSITIONS_TOTAL,
+            "client",
+        ),
+    };
+    let gauge = Gauge::new(state, &[(label, name)]);
+    gauge.set(0.0);
+    let to = ["closed", "half_open", "open"]
+        .map(|to| Counter::new(transitions, &[(label, name), ("to", to)]));
+    let name = Arc::clone(name);
+    Box::new(move |change: Change| {
+        let index = match change.to {
+            BreakerStatus::Closed => 0,
+            BreakerStatus::HalfOpen => 1,
+            BreakerStatus::Open => 2,
+        };
+        gauge.set(index as f64);
+        to[index].increment(1);
+        let _ = (&name, open_for);
+        match (role, change.to) {
+            (Role::Store, BreakerStatus::Open) => event!(
+                warn,
+                name: "tollgate.breaker.opened",
+                store = &*name,
+                open_for = ?open_for,
+                "the store's circuit breaker opened: calls take the failure policy without asking it"
+            ),
+            (Role::Store, BreakerStatus::HalfOpen) => event!(
+                debug,
+                name: "tollgate.breaker.half_open",
+                store = &*name,
+                "the store's circuit breaker lets a probe through"
+            ),
+            (Role::Store, BreakerStatus::Closed) => event!(
+                info,
+                name: "tollgate.breaker.closed",
+                store = &*name,
+                "the store's circuit breaker closed: the store answers again"
+            ),
+            (Role::Client, BreakerStatus::Open) => event!(
+                warn,
+                name: "tollgate.client.breaker.opened",
+                client = &*name,
+                open_for = ?open_for,
+                "the outbound circuit breaker opened: calls are refused without reaching the backend"
+            ),
+            (Role::Client, BreakerStatus::HalfOpen) => event!(
+                debug,
+                name: "tollgate.client.breaker.half_open",
+                client = &*name,
+                "the outbound circuit breaker lets a trial call through"
+            ),
+            (Role::Client, BreakerStatus::Closed) => event!(
+                info,
+                name: "tollgate.client.breaker.closed",
+                client = &*name,
+                "the outbound circuit breaker closed: the backend answers again"
+            ),
+        }
+    })
+}
+
 /// A circuit breaker on a clock.
 pub(crate) struct Breaker<C> {
     clock: C,

@@ -59,9 +59,16 @@
 //! | `tollgate_shed_limit` | gauge | requests | `layer` | The `LoadShedLayer`'s limit on requests in flight (it moves with an adaptive limit). |
 //! | `tollgate_queue_duration_seconds` | histogram | seconds | `layer` | Time requests waited: in the queue of a `ConcurrencyLimitLayer` or `LoadShedLayer` (each request that waited, admitted or not), or for its departure in a `ShapeLayer` (each request it admitted, zero included). |
 //! | `tollgate_shape_refused_total` | counter | requests | `layer`, `rule`, `reason` | Requests a `ShapeLayer` refused, by `reason`: `limited` (its wait would pass the queue: 429), `no_key`, `store_error` (503). |
+//! | `tollgate_client_retries_total` | counter | retries | `client` | Retries a client `RetryPolicy` made (feature `client`; its `RetryLayer`s and reqwest middlewares together). |
+//! | `tollgate_client_gave_up_total` | counter | requests | `client`, `reason` | Failures a client `RetryPolicy` answered as they were, by `reason`: `attempts`, `deadline`, `budget` (the retry budget was spent), `stop` (the server said not to retry), `not_replayable`, `inner` (an inner retry layer had given up). |
+//! | `tollgate_client_breaker_state` | gauge | state | `client` | An outbound `CircuitBreakerLayer`: 0 closed, 1 half open, 2 open. |
+//! | `tollgate_client_breaker_transitions_total` | counter | transitions | `client`, `to` | Changes of an outbound breaker's state, by the state entered (`closed`, `half_open`, `open`). |
+//! | `tollgate_client_throttled_total` | counter | requests | `client` | Requests an `AdaptiveThrottleLayer` refused itself, without sending them. |
 //!
 //! The layers' names (`layer`) are set with `.name(..)` on their builders (by default
-//! `concurrency`, `shed` and `shape`), the stores' (`store`) with
+//! `concurrency`, `shed` and `shape`), the client's (`client`) on `RetryPolicyBuilder`,
+//! `CircuitBreakerLayerBuilder` and `AdaptiveThrottleLayerBuilder` (`default`), the stores'
+//! (`store`) with
 //! [`ResilientStoreBuilder::name`](crate::store::resilient::ResilientStoreBuilder::name)
 //! (`default`) and [`MemoryStoreBuilder::name`](crate::store::MemoryStoreBuilder::name)
 //! (`memory`; a `ResilientStore`'s own fallback store is `<name>-fallback`). Give two
@@ -101,6 +108,17 @@ pub const SHED_LIMIT: &str = "tollgate_shed_limit";
 pub const QUEUE_DURATION_SECONDS: &str = "tollgate_queue_duration_seconds";
 /// `tollgate_shape_refused_total`, see the [table](self#every-metric).
 pub const SHAPE_REFUSED_TOTAL: &str = "tollgate_shape_refused_total";
+
+/// `tollgate_client_retries_total`, see the [table](self#every-metric).
+pub const CLIENT_RETRIES_TOTAL: &str = "tollgate_client_retries_total";
+/// `tollgate_client_gave_up_total`, see the [table](self#every-metric).
+pub const CLIENT_GAVE_UP_TOTAL: &str = "tollgate_client_gave_up_total";
+/// `tollgate_client_breaker_state`, see the [table](self#every-metric).
+pub const CLIENT_BREAKER_STATE: &str = "tollgate_client_breaker_state";
+/// `tollgate_client_breaker_transitions_total`, see the [table](self#every-metric).
+pub const CLIENT_BREAKER_TRANSITIONS_TOTAL: &str = "tollgate_client_breaker_transitions_total";
+/// `tollgate_client_throttled_total`, see the [table](self#every-metric).
+pub const CLIENT_THROTTLED_TOTAL: &str = "tollgate_client_throttled_total";
 
 /// The type of a metric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -245,6 +263,36 @@ pub const ALL: &[Metric] = &[
         Kind::Counter,
         &["layer", "rule", "reason"],
         "Requests a shaping layer refused, by rule and reason.",
+    ),
+    metric(
+        CLIENT_RETRIES_TOTAL,
+        Kind::Counter,
+        &["client"],
+        "Retries a client retry policy made.",
+    ),
+    metric(
+        CLIENT_GAVE_UP_TOTAL,
+        Kind::Counter,
+        &["client", "reason"],
+        "Failures a client retry policy gave up on, by reason.",
+    ),
+    metric(
+        CLIENT_BREAKER_STATE,
+        Kind::Gauge,
+        &["client"],
+        "An outbound circuit breaker: 0 closed, 1 half open, 2 open.",
+    ),
+    metric(
+        CLIENT_BREAKER_TRANSITIONS_TOTAL,
+        Kind::Counter,
+        &["client", "to"],
+        "Changes of an outbound circuit breaker's state, by the state entered.",
+    ),
+    metric(
+        CLIENT_THROTTLED_TOTAL,
+        Kind::Counter,
+        &["client"],
+        "Requests a client's adaptive throttle refused itself.",
     ),
 ];
 

@@ -23,6 +23,9 @@
 //! | `tollgate.shed` | event | DEBUG | `layer`, `class`, `reason` | the shedder shed a request (reasons as in the `tollgate_shed_total` metric) |
 //! | `tollgate.shed.limit` | event | DEBUG | `layer`, `from`, `to` | the shedder's adaptive limit moved |
 //! | `tollgate.shape.refused` | event | DEBUG | `layer`, `rule`, `reason` | the shaper refused a request (`limited`, `no_key`, `store_error`) |
+//! | `tollgate.client.breaker.opened` | event | WARN | `client`, `open_for` | an outbound `CircuitBreakerLayer` opened (feature `client`) |
+//! | `tollgate.client.breaker.half_open` | event | DEBUG | `client` | it lets a trial call through |
+//! | `tollgate.client.breaker.closed` | event | INFO | `client` | it closed: the backend answers again |
 //!
 //! **Keys are personal data** (an address, a user, an API key). No span or event above DEBUG
 //! carries a key, and the DEBUG decision span carries one only if the layer asks for it with

@@ -168,50 +168,6 @@ impl Telemetry {
     }
 }
 
-/// The breaker's observer: its state as a gauge, its transitions counted, and logged.
-#[cfg(any(feature = "metrics", feature = "tracing"))]
-fn breaker_observer(store: &Arc<str>, open_for: Duration) -> crate::breaker::Observer {
-    use crate::breaker::Change;
-    use crate::metrics::{BREAKER_STATE, BREAKER_TRANSITIONS_TOTAL};
-    use crate::telemetry::Gauge;
-    let state = Gauge::new(BREAKER_STATE, &[("store", store)]);
-    state.set(0.0);
-    let to = ["closed", "half_open", "open"]
-        .map(|to| Counter::new(BREAKER_TRANSITIONS_TOTAL, &[("store", store), ("to", to)]));
-    let store = Arc::clone(store);
-    Box::new(move |change: Change| {
-        let index = match change.to {
-            BreakerStatus::Closed => 0,
-            BreakerStatus::HalfOpen => 1,
-            BreakerStatus::Open => 2,
-        };
-        state.set(index as f64);
-        to[index].increment(1);
-        let _ = (&store, open_for);
-        match change.to {
-            BreakerStatus::Open => crate::telemetry::event!(
-                warn,
-                name: "tollgate.breaker.opened",
-                store = &*store,
-                open_for = ?open_for,
-                "the store's circuit breaker opened: calls take the failure policy without asking it"
-            ),
-            BreakerStatus::HalfOpen => crate::telemetry::event!(
-                debug,
-                name: "tollgate.breaker.half_open",
-                store = &*store,
-                "the store's circuit breaker lets a probe through"
-            ),
-            BreakerStatus::Closed => crate::telemetry::event!(
-                info,
-                name: "tollgate.breaker.closed",
-                store = &*store,
-                "the store's circuit breaker closed: the store answers again"
-            ),
-        }
-    })
-}
-
 /// Called for every call answered by the failure policy (see
 /// [`ResilientStoreBuilder::on_failure`]).
 type FailureHook = Arc<dyn Fn(&StoreError) + Send + Sync>;
@@ -641,7 +597,11 @@ impl<S: Store> ResilientStoreBuilder<S> {
         let name: Arc<str> = self.name.as_str().into();
         let breaker = Breaker::new(TokioClock::new(), self.threshold, self.open_for);
         #[cfg(any(feature = "metrics", feature = "tracing"))]
-        let breaker = breaker.observe(breaker_observer(&name, self.open_for));
+        let breaker = breaker.observe(crate::breaker::observer(
+            crate::breaker::Role::Store,
+            &name,
+            self.open_for,
+        ));
         let fallback = self.fallback.unwrap_or_else(|| {
             MemoryStore::builder()
                 .name(format!("{name}-fallback"))
