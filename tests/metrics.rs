@@ -615,6 +615,114 @@ async fn deny_cache_scenario() -> Option<Seen> {
     None
 }
 
+/// The client half: retries and give-ups by reason, the outbound breaker, the throttle.
+#[cfg(feature = "client")]
+async fn client_scenario() -> Seen {
+    use tollgate::client::{
+        AdaptiveThrottleLayer, CircuitBreakerLayer, RetryBudget, RetryLayer, RetryPolicy,
+    };
+    let (recorder, snapshotter) = recorder();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let refusing = |status: u16| {
+        tower::service_fn(move |_: Request<String>| async move {
+            let response = Response::builder()
+                .status(status)
+                .header("retry-after", "1")
+                .body(String::new())
+                .unwrap();
+            Ok::<_, Infallible>(response)
+        })
+    };
+    // Two attempts: one retry, then it gives up.
+    let payments = RetryPolicy::builder()
+        .name("payments")
+        .max_attempts(2)
+        .build()
+        .unwrap();
+    let client = ServiceBuilder::new()
+        .layer(RetryLayer::new(payments))
+        .service(refusing(429));
+    assert_eq!(client.oneshot(get(&[])).await.unwrap().status(), 429);
+    // An empty budget: no retry at all.
+    let search = RetryPolicy::builder()
+        .name("search")
+        .budget(RetryBudget::new(0, 0, Duration::from_secs(10)).unwrap())
+        .build()
+        .unwrap();
+    let client = ServiceBuilder::new()
+        .layer(RetryLayer::new(search))
+        .service(refusing(429));
+    assert_eq!(client.oneshot(get(&[])).await.unwrap().status(), 429);
+    // A breaker that opens at the first failure.
+    let breaker = CircuitBreakerLayer::builder()
+        .name("inventory")
+        .breaker(1, Duration::from_secs(5))
+        .build();
+    let client = ServiceBuilder::new()
+        .layer(breaker.clone())
+        .service(refusing(503));
+    assert_eq!(
+        client.clone().oneshot(get(&[])).await.unwrap().status(),
+        503
+    );
+    assert_eq!(
+        breaker.status(),
+        tollgate::store::resilient::BreakerStatus::Open
+    );
+    // A throttle over a backend that refuses everything.
+    let throttle = AdaptiveThrottleLayer::builder()
+        .name("search")
+        .seed(7)
+        .build()
+        .unwrap();
+    let client = ServiceBuilder::new()
+        .layer(throttle.clone())
+        .service(refusing(503));
+    for _ in 0..50 {
+        client.clone().oneshot(get(&[])).await.unwrap();
+    }
+    assert!(throttle.stats().throttled > 0);
+
+    let mut seen = Seen::default();
+    seen.take(&snapshotter);
+    let client = |name| [("client", name)];
+    let gave_up = |name, reason| {
+        seen.counter(
+            m::CLIENT_GAVE_UP_TOTAL,
+            &[("client", name), ("reason", reason)],
+        )
+    };
+    assert_eq!(
+        seen.counter(m::CLIENT_RETRIES_TOTAL, &client("payments")),
+        1
+    );
+    assert_eq!(gave_up("payments", "attempts"), 1);
+    assert_eq!(seen.counter(m::CLIENT_RETRIES_TOTAL, &client("search")), 0);
+    assert_eq!(gave_up("search", "budget"), 1);
+    assert_eq!(
+        seen.gauges(m::CLIENT_BREAKER_STATE, &client("inventory")),
+        [2.0]
+    );
+    assert_eq!(
+        seen.counter(
+            m::CLIENT_BREAKER_TRANSITIONS_TOTAL,
+            &[("client", "inventory"), ("to", "open")]
+        ),
+        1
+    );
+    assert_eq!(
+        seen.counter(m::CLIENT_THROTTLED_TOTAL, &client("search")),
+        throttle.stats().throttled
+    );
+    seen
+}
+
+#[cfg(feature = "client")]
+#[tokio::test(start_paused = true)]
+async fn client_retries_give_ups_breaker_and_throttle() {
+    client_scenario().await;
+}
+
 #[tokio::test]
 async fn rate_limit_decisions_costs_and_tier_cache() {
     rate_limit_scenario().await;
@@ -692,7 +800,7 @@ fn documented() -> BTreeSet<String> {
 #[tokio::test(start_paused = true)]
 async fn every_documented_metric_is_emitted() {
     let documented = documented();
-    assert_eq!(documented.len(), 17, "{documented:?}");
+    assert_eq!(documented.len(), 22, "{documented:?}");
     let all: BTreeSet<String> = m::ALL.iter().map(|m| m.name.to_owned()).collect();
     assert_eq!(
         documented, all,
@@ -708,6 +816,8 @@ async fn every_documented_metric_is_emitted() {
         concurrency_scenario().await,
         shed_scenario().await,
         shape_scenario().await,
+        #[cfg(feature = "client")]
+        client_scenario().await,
     ] {
         emitted.extend(seen.emitted());
     }
@@ -722,6 +832,14 @@ async fn every_documented_metric_is_emitted() {
             eprintln!("SKIPPED: {} (no redis-server)", m::DENY_CACHE_HITS_TOTAL);
             emitted.insert(m::DENY_CACHE_HITS_TOTAL.to_owned());
         }
+    }
+    if cfg!(not(feature = "client")) {
+        emitted.extend(
+            documented
+                .iter()
+                .filter(|name| name.starts_with("tollgate_client_"))
+                .cloned(),
+        );
     }
     let missing: Vec<_> = documented.difference(&emitted).collect();
     assert!(missing.is_empty(), "never emitted: {missing:?}");

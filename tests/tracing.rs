@@ -484,3 +484,62 @@ async fn overload_layers_refusals_and_limit_changes_at_debug() {
         call.abort();
     }
 }
+
+/// The outbound breaker: opened at WARN, its trial call at DEBUG, closed at INFO.
+#[cfg(feature = "client")]
+#[tokio::test(start_paused = true)]
+async fn the_outbound_breaker_at_its_levels() {
+    use tollgate::client::CircuitBreakerLayer;
+    let capture = Capture::default();
+    let _subscriber = capture.install(LevelFilter::TRACE);
+    let failing = Arc::new(AtomicU8::new(FAIL));
+    let backend = {
+        let failing = Arc::clone(&failing);
+        tower::service_fn(move |_: Request<String>| {
+            let status = match failing.load(Ordering::SeqCst) {
+                FAIL => StatusCode::SERVICE_UNAVAILABLE,
+                _ => StatusCode::OK,
+            };
+            async move {
+                let mut response = Response::new(String::new());
+                *response.status_mut() = status;
+                Ok::<_, Infallible>(response)
+            }
+        })
+    };
+    let breaker = CircuitBreakerLayer::builder()
+        .name("inventory")
+        .breaker(1, Duration::from_secs(5))
+        .build();
+    let client = ServiceBuilder::new().layer(breaker).service(backend);
+    assert_eq!(
+        client.clone().oneshot(get(&[])).await.unwrap().status(),
+        503
+    );
+    failing.store(OK, Ordering::SeqCst);
+    tokio::time::advance(Duration::from_secs(5)).await;
+    assert_eq!(
+        client.clone().oneshot(get(&[])).await.unwrap().status(),
+        200
+    );
+    let levels = |name| {
+        capture
+            .named(name)
+            .iter()
+            .map(|c| (c.level, c.field("client").map(str::to_owned)))
+            .collect::<Vec<_>>()
+    };
+    let inventory = Some("inventory".to_owned());
+    assert_eq!(
+        levels("tollgate.client.breaker.opened"),
+        [(Level::WARN, inventory.clone())]
+    );
+    assert_eq!(
+        levels("tollgate.client.breaker.half_open"),
+        [(Level::DEBUG, inventory.clone())]
+    );
+    assert_eq!(
+        levels("tollgate.client.breaker.closed"),
+        [(Level::INFO, inventory)]
+    );
+}
