@@ -4,8 +4,8 @@
 //!
 //! **Install the recorder (the exporter) before building layers and stores.** Each layer and
 //! store registers its handles once, when it is built, and keeps them in the state its clones
-//! share: a request then only adds to atomics (one for its decision, one per policy for the
-//! cost it consumed), with no label to allocate and no registry to search. A layer built
+//! share: a request then only adds to atomics (one per rule for its decision, one per policy
+//! for the cost it consumed), with no label to allocate and no registry to search. A layer built
 //! before any recorder is installed keeps handles that record nothing, as with every
 //! `metrics` exporter. Call [`describe`] once, after installing the recorder, to give each
 //! metric its unit and description.
@@ -42,7 +42,7 @@
 //!
 //! | name | type | unit | labels | meaning |
 //! | --- | --- | --- | --- | --- |
-//! | `tollgate_decisions_total` | counter | requests | `rule`, `policy`, `outcome` | One per request the rate-limit layer decides. `outcome`: `admitted` (labelled with the rule and policy the `RateLimit` field reports: the most restrictive), `limited` (the policy that refused: a 429), `no_key` (the rule found no key and refuses such requests; `policy` empty), `store_error` (the store could not decide: a 503; the first rule that applied, `policy` empty); and `shadow_limited`, counted besides, when a shadow rule's policy would have refused. Requests no enforced rule applies to are not counted. |
+//! | `tollgate_decisions_total` | counter | decisions | `rule`, `policy`, `outcome` | The rate-limit layer's decisions: one per request and rule that decided it. `outcome`: `admitted` (every policy of the rule admitted the request; `policy` empty; for a shadow rule: would have), `limited` (the policy that refused the request: a 429; the other rules that applied consumed nothing and count nothing), `shadow_limited` (a shadow rule's policy would have refused it), `no_key` (the rule found no key and refuses such requests; `policy` empty), `store_error` (the store could not decide: a 503; each rule that applied, `policy` empty). So `limited / all` by `rule` is each rule's refusal ratio. |
 //! | `tollgate_cost_consumed_total` | counter | units of cost | `rule`, `policy` | The cost consumed from each policy by the requests it admitted (a shadow rule's included): each policy of each rule that applied to an admitted request. |
 //! | `tollgate_tier_cache_total` | counter | lookups | `rule`, `result` | Tier lookups of a rule's key in its cache, by `result`: `hit` or `miss` (a miss asks the resolver). |
 //! | `tollgate_store_duration_seconds` | histogram | seconds | `store` | How long each call of a `ResilientStore` that reached its store took (errors and timeouts included; calls refused by the open breaker not). |
@@ -166,7 +166,7 @@ pub const ALL: &[Metric] = &[
         DECISIONS_TOTAL,
         Kind::Counter,
         &["rule", "policy", "outcome"],
-        "Rate-limit decisions, by the rule and policy that decided and the outcome.",
+        "Rate-limit decisions, one per request and rule, by outcome (and the refusing policy).",
     ),
     metric(
         COST_CONSUMED_TOTAL,

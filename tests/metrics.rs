@@ -213,14 +213,16 @@ async fn rate_limit_scenario() -> Seen {
             &[("rule", rule), ("policy", policy), ("outcome", outcome)],
         )
     };
-    // Admissions are labelled with the policy the response reports: the one with least left.
-    assert_eq!(decisions("per-user", "per-minute", "admitted"), 2);
-    assert_eq!(decisions("per-user", "per-hour", "admitted"), 0);
+    // An admission is the rule's (every policy admitted); a refusal names the policy.
+    assert_eq!(decisions("per-user", "", "admitted"), 2);
     assert_eq!(decisions("per-user", "per-minute", "limited"), 1);
+    assert_eq!(decisions("per-user", "per-hour", "limited"), 0);
     assert_eq!(decisions("per-user", "", "no_key"), 1);
+    // The shadow rule: one request it would have admitted, one it would have refused.
+    assert_eq!(decisions("trial", "", "admitted"), 1);
     assert_eq!(decisions("trial", "trial", "shadow_limited"), 1);
-    assert_eq!(decisions("plan", "pro", "admitted"), 2);
-    // Nothing else was counted as a decision: one per request, plus the shadow refusal.
+    assert_eq!(decisions("plan", "", "admitted"), 2);
+    // Nothing else was counted: one per request and rule that decided it.
     let all: u64 = seen
         .0
         .iter()
@@ -230,7 +232,7 @@ async fn rate_limit_scenario() -> Seen {
             _ => 0,
         })
         .sum();
-    assert_eq!(all, 4 + 2 + 1);
+    assert_eq!(all, 4 + 2 + 2);
     // Every policy of the rule pays the cost of each admitted request; the refused one
     // consumed nothing.
     let cost = |rule, policy| {
@@ -298,6 +300,7 @@ async fn store_scenario() -> Seen {
         .build();
     let layer = RateLimitLayer::builder(store.clone())
         .rule(Rule::new("global").policy(minute(100, "global")))
+        .rule(Rule::new("burst").policy(minute(1_000, "burst")))
         .build()
         .unwrap();
     let service = ServiceBuilder::new().layer(layer).service(ok_service());
@@ -379,17 +382,16 @@ async fn store_scenario() -> Seen {
         seen.gauges(m::BREAKER_STATE, &store_label).last(),
         Some(&0.0)
     );
-    assert_eq!(
-        seen.counter(
-            m::DECISIONS_TOTAL,
-            &[
-                ("rule", "global"),
-                ("policy", ""),
-                ("outcome", "store_error")
-            ]
-        ),
-        4
-    );
+    // Each rule that applied could not decide; each admitted the two that went through.
+    for rule in ["global", "burst"] {
+        let decisions = |outcome| {
+            seen.counter(
+                m::DECISIONS_TOTAL,
+                &[("rule", rule), ("policy", ""), ("outcome", outcome)],
+            )
+        };
+        assert_eq!((decisions("store_error"), decisions("admitted")), (4, 2));
+    }
     seen
 }
 

@@ -103,6 +103,7 @@ fn recording_metrics_allocates_nothing_per_request() {
             _ => 0,
         })
         .sum();
-    // One per request, and one per refusal of the shadow rule (all but its first five).
-    assert_eq!(decisions, 110 + 105);
+    // One per request and rule: per-user and plan admitted all 110, the shadow rule would
+    // have admitted five and refused the rest.
+    assert_eq!(decisions, 110 + 110 + 5 + 105);
 }

@@ -239,7 +239,10 @@ pub(crate) struct CompiledRule {
     /// One set of policies, or one per tier.
     pub(crate) sets: Box<[PolicySet]>,
     tiers: Option<TierLookup>,
-    /// `tollgate_decisions_total` for the rule's refusals without a key, and its store errors.
+    /// `tollgate_decisions_total` for the requests the rule admitted (for a shadow rule: would
+    /// have), refused without a key, and could not decide.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    admitted: Counter,
     no_key: Counter,
     store_error: Counter,
 }
@@ -306,7 +309,6 @@ pub(crate) struct PolicySet {
 /// The counters of one policy of one rule, registered when the limiter is built (those its
 /// rule can never use count nothing).
 pub(crate) struct PolicyMetrics {
-    admitted: Counter,
     limited: Counter,
     shadow_limited: Counter,
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
@@ -322,17 +324,12 @@ impl PolicyMetrics {
                 &[("rule", rule), ("policy", policy), ("outcome", outcome)],
             )
         };
-        let (admitted, limited, shadow_limited) = if shadow {
-            (
-                Counter::noop(),
-                Counter::noop(),
-                decisions("shadow_limited"),
-            )
+        let (limited, shadow_limited) = if shadow {
+            (Counter::noop(), decisions("shadow_limited"))
         } else {
-            (decisions("admitted"), decisions("limited"), Counter::noop())
+            (decisions("limited"), Counter::noop())
         };
         PolicyMetrics {
-            admitted,
             limited,
             shadow_limited,
             cost: Counter::new(COST_CONSUMED_TOTAL, &[("rule", rule), ("policy", policy)]),
@@ -408,6 +405,7 @@ impl CompiledRule {
             (false, MissingKey::Skip) => (Counter::noop(), decisions("store_error")),
         };
         Ok(CompiledRule {
+            admitted: decisions("admitted"),
             no_key,
             store_error,
             suffix: format!("@{name}").into(),
@@ -843,11 +841,15 @@ impl<St: Store> Limiter<St> {
         None
     }
 
-    /// Adds what the policies of `applied` rules consumed from an admitted request.
+    /// Counts an admission by each of the `applied` rules, and what each of their policies
+    /// consumed.
     #[inline]
-    fn count_cost(&self, applied: &[Applied]) {
+    fn count_admitted(&self, applied: &[Applied]) {
         #[cfg(feature = "metrics")]
         for a in applied {
+            if let Some(rule) = self.rules.get(usize::from(a.rule)) {
+                rule.admitted.increment(1);
+            }
             let set = self.set(a.rule, a.set);
             for (policy, metrics) in set.policies.iter().zip(set.metrics.iter()) {
                 metrics.cost.increment(a.cost.min(policy.limit()));
@@ -871,13 +873,13 @@ impl<St: Store> Limiter<St> {
         match result {
             Ok(d) => {
                 let located = self.locate_set(applied, d.index());
+                if d.allowed() {
+                    self.count_admitted(applied);
+                } else if let Some((_, set, i)) = located {
+                    set.metrics[i].limited.increment(1);
+                }
                 if let Some((rule, set, i)) = located {
-                    let (counter, outcome) = if d.allowed() {
-                        (&set.metrics[i].admitted, "admitted")
-                    } else {
-                        (&set.metrics[i].limited, "limited")
-                    };
-                    counter.increment(1);
+                    let outcome = if d.allowed() { "admitted" } else { "limited" };
                     span.record(
                         outcome,
                         Some(&rule.name),
@@ -885,18 +887,17 @@ impl<St: Store> Limiter<St> {
                         Some(d.remaining()),
                     );
                 }
-                if d.allowed() {
-                    self.count_cost(applied);
-                }
             }
             Err(_) => {
-                let rule = applied
+                for a in applied {
+                    if let Some(rule) = self.rules.get(usize::from(a.rule)) {
+                        rule.store_error.increment(1);
+                    }
+                }
+                let first = applied
                     .first()
                     .and_then(|a| self.rules.get(usize::from(a.rule)));
-                if let Some(rule) = rule {
-                    rule.store_error.increment(1);
-                }
-                span.record("store_error", rule.map(|r| &*r.name), None, None);
+                span.record("store_error", first.map(|r| &*r.name), None, None);
             }
         }
     }
@@ -910,7 +911,7 @@ impl<St: Store> Limiter<St> {
         span: &DecisionSpan,
     ) {
         match result {
-            Ok(d) if d.allowed() => self.count_cost(applied),
+            Ok(d) if d.allowed() => self.count_admitted(applied),
             Ok(d) => {
                 if let Some((rule, set, i)) = self.locate_set(applied, d.index()) {
                     set.metrics[i].shadow_limited.increment(1);
