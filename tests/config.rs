@@ -15,8 +15,11 @@ use tower::{Service, ServiceBuilder, ServiceExt};
 
 /// Every field of the format, once (the example of the module docs, in memory).
 const FULL: &str = r#"
+trace_keys = "hashed"
+
 [store]
 kind = "memory"
+name = "local"
 max_keys = 50000
 shards = 16
 max_key_len = 200
@@ -94,11 +97,13 @@ key = "both"
 policies = [{ algorithm = "sliding_log", rate = "5 per 15m" }]
 
 [concurrency]
+name = "in-flight"
 total = 512
 queue = { max_waiting = 64, max_wait = "100ms" }
 rules = [{ name = "exports", methods = ["GET"], path_prefix = "/export", key = "tenant", on_missing_key = "skip", max_in_flight = 2 }]
 
 [shed]
+name = "front"
 limit = "vegas"
 initial = 100
 min = 10

@@ -624,6 +624,13 @@ impl<'a> Builder<'a> {
         if let Some(after) = answers.unavailable_retry_after {
             builder = builder.unavailable_retry_after(after.get());
         }
+        if let Some(trace) = config.trace_keys {
+            builder = builder.trace_keys(match trace {
+                KeyTraceConfig::None => crate::telemetry::KeyTrace::None,
+                KeyTraceConfig::Hashed => crate::telemetry::KeyTrace::Hashed,
+                KeyTraceConfig::Plain => crate::telemetry::KeyTrace::Plain,
+            });
+        }
         if let Some(responder) = self.bindings.and_then(|b| b.responder.clone()) {
             builder = builder.shared_responder(responder);
         }
@@ -648,6 +655,10 @@ impl<'a> Builder<'a> {
     pub(crate) fn concurrency(&mut self) -> Option<ConcurrencyLimitLayer> {
         let spec = self.config.concurrency.as_ref()?;
         let mut builder = ConcurrencyLimitLayer::builder();
+        if let Some(name) = &spec.name {
+            label_ok(name, "concurrency.name", &mut self.problems);
+            builder = builder.name(name.as_str());
+        }
         let mut names = BTreeSet::new();
         for (i, r) in spec.rules.iter().enumerate() {
             let path = format!("concurrency.rules[{i}]");
@@ -778,6 +789,10 @@ impl<'a> Builder<'a> {
             limit = limit.bounds(spec.min.unwrap_or(1), spec.max.unwrap_or(1_000));
         }
         let mut builder = LoadShedLayer::builder(limit);
+        if let Some(name) = &spec.name {
+            label_ok(name, "shed.name", p);
+            builder = builder.name(name.as_str());
+        }
         if let Some(name) = &spec.class_header {
             match HeaderName::from_bytes(name.as_bytes()) {
                 Ok(name) => builder = builder.classify(ByHeader::new(name)),
@@ -866,6 +881,9 @@ impl<'a> Builder<'a> {
         ] {
             only(p, field, set && memory, "redis");
         }
+        if let Some(name) = &s.name {
+            label_ok(name, "store.name", p);
+        }
         if s.max_keys == Some(0) {
             p.add("store.max_keys", "must be at least 1");
         }
@@ -943,6 +961,16 @@ pub(crate) fn node_of(node: &str) -> Option<(String, u16)> {
     (!host.is_empty())
         .then(|| Some((host.to_owned(), port.parse().ok()?)))
         .flatten()
+}
+
+/// A metric label's value: a name, not free text.
+fn label_ok(name: &str, path: &str, p: &mut Problems) {
+    if !crate::limiter::valid_name(name) {
+        p.add(
+            path,
+            format!("{name:?}: use 1 to 64 of a-z A-Z 0-9 - _ . :"),
+        );
+    }
 }
 
 fn queue_ok(queue: &QueueConfig, path: &str, p: &mut Problems) {

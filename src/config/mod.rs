@@ -33,8 +33,11 @@
 //! Every section is optional; what a file leaves out keeps its default.
 //!
 //! ```toml
+//! trace_keys = "hashed"             # the DEBUG decision span: "none" (default), "hashed", "plain"
+//!
 //! [store]
 //! kind = "redis"                    # "memory" (the default) or "redis" (feature `redis`)
+//! name = "shared"                   # the `store` label of its metrics
 //! url = "redis://127.0.0.1:6379"    # or cluster = ["10.0.0.1:6379", "10.0.0.2:6379"]
 //! prefix = "rl:"
 //! timeout = "50ms"                  # a slower answer is a failure
@@ -89,6 +92,7 @@
 //! ]
 //!
 //! [concurrency]
+//! name = "in-flight"                # the `layer` label of its metrics
 //! total = 512
 //! queue = { max_waiting = 64, max_wait = "100ms" }
 //! rules = [{ name = "exports", path_prefix = "/export", key = "api_key", max_in_flight = 2 }]
@@ -152,9 +156,9 @@ pub use human::{HumanDuration, HumanError, HumanRate};
 pub use reload::{ReloadSummary, Reloader};
 pub use schema::{
     AlgorithmConfig, AnswersConfig, BreakerConfig, ConcurrencyConfig, ConcurrencyRuleConfig,
-    Config, FailureConfig, HeadersConfig, KeyConfig, KeyKind, MissingKeyConfig, PlanConfig,
-    PolicyConfig, QueueConfig, ResetConfig, RuleConfig, ShedConfig, ShedLimitKind, Skip,
-    StoreConfig, StoreKind, TiersConfig,
+    Config, FailureConfig, HeadersConfig, KeyConfig, KeyKind, KeyTraceConfig, MissingKeyConfig,
+    PlanConfig, PolicyConfig, QueueConfig, ResetConfig, RuleConfig, ShedConfig, ShedLimitKind,
+    Skip, StoreConfig, StoreKind, TiersConfig,
 };
 pub(crate) use store::ConfiguredFuture;
 pub use store::ConfiguredStore;

@@ -29,6 +29,7 @@ pub struct RateLimitLayer<St> {
 
 /// Where a layer's services find the limiter and options: fixed when the layer was built, or
 /// swapped whole by a [`Reloader`](crate::config::Reloader).
+#[cfg_attr(not(feature = "serde"), allow(dead_code))]
 pub(crate) enum Source<St> {
     Fixed(Arc<Shared<St>>),
     Live(Arc<ArcSwap<Shared<St>>>),
@@ -120,6 +121,7 @@ impl<St: Store> RateLimitLayer<St> {
     }
 
     /// A layer whose limiter and options a reloader swaps, and the cell it swaps.
+    #[cfg_attr(not(feature = "serde"), allow(dead_code))]
     pub(crate) fn live(shared: Shared<St>) -> (Self, Arc<ArcSwap<Shared<St>>>) {
         let cell = Arc::new(ArcSwap::from_pointee(shared));
         let layer = RateLimitLayer {
@@ -208,6 +210,7 @@ impl<St: Store> RateLimitLayerBuilder<St> {
     }
 
     /// The same, shared (a reloader keeps the one it was given).
+    #[cfg_attr(not(feature = "serde"), allow(dead_code))]
     pub(crate) fn shared_responder(mut self, responder: Arc<dyn Responder>) -> Self {
         self.responder = responder;
         self
