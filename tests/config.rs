@@ -613,3 +613,122 @@ fn absurd_keys_are_refused() {
     text.push_str("[[rules]]\nname = \"r\"\nkey = \"k7\"\npolicies = [{ algorithm = \"gcra\", rate = \"1/s\" }]\n");
     Config::from_toml(&text).unwrap();
 }
+
+/// The paths of the problems of every other section: tiers, the store, the overload layers.
+#[test]
+fn every_section_reports_its_paths() {
+    let tiers = r#"
+        [[rules]]
+        name = "plan"
+        [rules.tiers]
+        keys = { "k1" = "gold" }
+        default = "silver"
+        cache_capacity = 0
+        plans = [
+          { name = "free", policies = [{ algorithm = "gcra", rate = "1/s" }] },
+          { name = "free", policies = [] },
+          { name = "bad name", policies = [{ algorithm = "gcra" }] },
+        ]
+        [[rules]]
+        name = "no-plans"
+        tiers = { resolver = "x" }
+    "#;
+    let errors = Config::from_toml(tiers).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "rules[0].tiers.keys.k1",
+            "rules[0].tiers.default",
+            "rules[0].tiers.plans[1].name",
+            "rules[0].tiers.plans[1].policies",
+            "rules[0].tiers.plans[2].name",
+            "rules[0].tiers.plans[2].policies[0].rate",
+            "rules[0].tiers.cache_capacity",
+            "rules[1].tiers.plans",
+        ],
+        "{errors}"
+    );
+
+    let store = r#"
+        [store]
+        kind = "redis"
+        name = "has space"
+        cluster = ["10.0.0.1:6379", "nope"]
+        url = "redis://x"
+        max_keys = 5
+        pool_size = 1000
+        timeout = "0s"
+        instances = 3
+        breaker = { failures = 0, open_for = "0s" }
+    "#;
+    let errors = Config::from_toml(store).unwrap_err();
+    let mut paths = errors.paths();
+    // Without feature `redis`, the kind itself is a problem too.
+    paths.retain(|p| *p != "store.kind");
+    assert_eq!(
+        paths,
+        [
+            "store.max_keys",
+            "store.name",
+            "store.cluster",
+            "store.cluster[1]",
+            "store.timeout",
+            "store.pool_size",
+            "store.instances",
+            "store.breaker.failures",
+            "store.breaker.open_for",
+        ],
+        "{errors}"
+    );
+
+    let overload = r#"
+        keys.peer = { kind = "peer_ip" }
+        [concurrency]
+        total = 0
+        lease_time = "10s"
+        on_store_error = "closed"
+        queue = { max_waiting = 0, max_wait = "0s" }
+        rules = [
+          { name = "a", max_in_flight = 0 },
+          { name = "a", key = "ghost", max_in_flight = 1 },
+        ]
+        [shed]
+        limit = "fixed"
+        initial = 10
+        min = 2
+        latency = "1s"
+        class_header = "bad header"
+        shares = { urgent = 0.5, sheddable = 2.0 }
+        fair_from = 0
+        fair_by = "ghost"
+        deadline_header = "grpc-timeout"
+    "#;
+    let errors = Config::from_toml(overload).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "concurrency.rules[0].max_in_flight",
+            "concurrency.rules[1].name",
+            "concurrency.rules[1].key",
+            "concurrency.total",
+            "concurrency.queue.max_waiting",
+            "concurrency.queue.max_wait",
+            "concurrency.lease_time",
+            "concurrency.on_store_error",
+            "shed.min",
+            "shed.latency",
+            "shed.class_header",
+            "shed.shares.sheddable",
+            "shed.shares.urgent",
+            "shed.fair_from",
+            "shed.deadline_header",
+            "shed.fair_by",
+        ],
+        "{errors}"
+    );
+    let distributed =
+        Config::from_toml("[concurrency]\ntotal = 5\ndistributed = true\n").unwrap_err();
+    assert_eq!(distributed.paths(), ["concurrency.distributed"]);
+    let aimd = Config::from_toml("[shed]\nlimit = \"aimd\"\ninitial = 5\n").unwrap_err();
+    assert_eq!(aimd.paths(), ["shed.latency"]);
+}
