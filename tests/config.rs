@@ -1,6 +1,8 @@
 //! The configuration file: every error path, round trips, layers from a file and from code,
 //! and reload (state kept, bad files refused, no request lost under load).
 
+mod support;
+
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -731,4 +733,48 @@ fn every_section_reports_its_paths() {
     assert_eq!(distributed.paths(), ["concurrency.distributed"]);
     let aimd = Config::from_toml("[shed]\nlimit = \"aimd\"\ninitial = 5\n").unwrap_err();
     assert_eq!(aimd.paths(), ["shed.latency"]);
+}
+
+/// A file naming a Redis store connects to it behind its failure policy, and the layers it
+/// describes (the rate limit, a distributed concurrency limit) run on it.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_redis_store_from_the_file() {
+    let server = redis_or_skip!();
+    let text = format!(
+        r#"
+        keys.api = {{ kind = "header", header = "x-api-key" }}
+        [store]
+        kind = "redis"
+        name = "shared"
+        url = "{}"
+        prefix = "cfg:"
+        timeout = "2s"
+        on_failure = "closed"
+        breaker = {{ failures = 3, open_for = "1s" }}
+        [[rules]]
+        name = "per-key"
+        key = "api"
+        policies = [{{ algorithm = "fixed_window", limit = 2, window = "1h" }}]
+        [concurrency]
+        distributed = true
+        lease_time = "10s"
+        rules = [{{ name = "exports", key = "api", max_in_flight = 1 }}]
+        "#,
+        server.url()
+    );
+    let config = Config::from_toml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let store = config.store().await.unwrap();
+    assert_eq!(store.redis().unwrap().name(), "shared");
+    let concurrency = store.concurrency_layer(&config, &Bindings::new()).unwrap();
+    assert!(concurrency.is_some());
+    let service = app(config.rate_limit_layer(store, &Bindings::new()).unwrap());
+    assert_eq!(send(&service, "/", "k1").await.status(), StatusCode::OK);
+    assert_eq!(send(&service, "/", "k1").await.status(), StatusCode::OK);
+    assert_eq!(
+        send(&service, "/", "k1").await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // On Redis: the keys carry the file's prefix.
+    assert!(server.cli(&["KEYS", "cfg:*"]).contains("cfg:"));
 }
