@@ -604,15 +604,44 @@ fn absurd_keys_are_refused() {
         "{errors}"
     );
     assert!(errors.paths().contains(&"keys.wide.of"), "{errors}");
-    // A diamond 8 deep with 16 parts a level: built once per name, so at once.
+    // A diamond 8 deep with 16 parts a level: built once per name, but each request would run
+    // 16^7 extractors; refused, as is a name given twice.
     let mut text = String::from("keys.k0 = { kind = \"peer_ip\" }\n");
     for level in 1..8 {
-        let parts = vec![format!("\"k{}\"", level - 1); 16].join(", ");
-        text.push_str(&format!(
-            "keys.k{level} = {{ kind = \"any_of\", of = [{parts}] }}\n"
-        ));
+        let parts = (0..16)
+            .map(|i| format!("\"k{}-{i}\"", level - 1))
+            .collect::<Vec<_>>()
+            .join(", ");
+        for i in 0..16 {
+            text.push_str(&format!(
+                "keys.\"k{level}-{i}\" = {{ kind = \"any_of\", of = [{parts}] }}\n"
+            ));
+        }
+        for i in 0..16 {
+            if level == 1 {
+                text.push_str(&format!("keys.\"k0-{i}\" = {{ kind = \"peer_ip\" }}\n"));
+            }
+        }
     }
-    text.push_str("[[rules]]\nname = \"r\"\nkey = \"k7\"\npolicies = [{ algorithm = \"gcra\", rate = \"1/s\" }]\n");
+    let errors = Config::from_toml(&text).unwrap_err();
+    assert!(
+        errors.to_string().contains("more than 32 extractors"),
+        "{errors}"
+    );
+    let twice = Config::from_toml(
+        "keys.p = { kind = \"peer_ip\" }\nkeys.h = { kind = \"header\", header = \"x\" }\n\
+         keys.a = { kind = \"any_of\", of = [\"h\", \"p\", \"h\"] }\n",
+    )
+    .unwrap_err();
+    assert_eq!(twice.paths(), ["keys.a.of[2]"]);
+    // Within the bound: 4 x 8 extractors.
+    let text = "keys.p = { kind = \"peer_ip\" }\n".to_owned()
+        + &(0..8)
+            .map(|i| format!("keys.h{i} = {{ kind = \"header\", header = \"x-{i}\" }}\n"))
+            .collect::<String>()
+        + "keys.eight = { kind = \"any_of\", of = [\"h0\", \"h1\", \"h2\", \"h3\", \"h4\", \"h5\", \"h6\", \"h7\"] }\n"
+        + "keys.e2 = { kind = \"all_of\", of = [\"eight\", \"p\"] }\n"
+        + "keys.wide = { kind = \"any_of\", of = [\"eight\", \"e2\", \"p\"] }\n";
     Config::from_toml(&text).unwrap();
 }
 
@@ -639,7 +668,7 @@ fn every_section_reports_its_paths() {
     assert_eq!(
         errors.paths(),
         [
-            "rules[0].tiers.keys.k1",
+            "rules[0].tiers.keys",
             "rules[0].tiers.default",
             "rules[0].tiers.plans[1].name",
             "rules[0].tiers.plans[1].policies",
@@ -777,4 +806,146 @@ async fn a_redis_store_from_the_file() {
     );
     // On Redis: the keys carry the file's prefix.
     assert!(server.cli(&["KEYS", "cfg:*"]).contains("cfg:"));
+}
+
+/// Keys spelt with brackets, quotes or dots in the file: reported, never a panic.
+#[test]
+fn odd_key_names_are_reported() {
+    for text in [
+        "[keys.\"a[0]]\"]\nkind = 5\n",
+        "[keys.\"a[0]]\"]\nkind = \"header\"\nheader = 5\n",
+        "[keys.\"]\"]\nkind = 5\n",
+        "[keys.\"a.b\"]\nkind = 5\n",
+        "[[rules]]\nname = \"r\"\npolicies = [{ algorithm = \"gcra\", rate = \"1/s\" }]\n[rules.tiers]\nkeys = { \"k[0]]\" = 5 }\n",
+        "rules = [{ name = \"r\", policies = [{ rate = \"1/s\" }, \"gcra\", 7] }]\n",
+    ] {
+        let errors = Config::from_toml(text).unwrap_err();
+        assert!(!errors.errors().is_empty(), "{text}");
+        assert!(errors.errors().len() < 10, "{text}: {errors}");
+    }
+}
+
+/// Values the arithmetic cannot hold are reported at the field that holds them; with the
+/// Redis store, policies it cannot run exactly are refused up front (not answered 503 later).
+#[test]
+fn values_out_of_range_name_their_field() {
+    let errors = Config::from_toml(
+        r#"
+        [[rules]]
+        name = "r"
+        cost = 10
+        policies = [
+          { algorithm = "sliding_log", limit = 2000000, window = "1s" },
+          { algorithm = "gcra", rate = "1/day", burst = 100000000 },
+        ]
+        [[rules]]
+        name = "t"
+        cost = 10
+        tiers = { keys = { k = "small" }, plans = [{ name = "small", policies = [{ algorithm = "gcra", rate = "5/s" }] }] }
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "rules[0].policies[0].limit",
+            "rules[0].policies[1].burst",
+            "rules[1].tiers.plans[0].policies[0]",
+        ],
+        "{errors}"
+    );
+    #[cfg(feature = "redis")]
+    {
+        let errors = Config::from_toml(
+            r#"
+            store = { kind = "redis", url = "redis://127.0.0.1:1" }
+            [[rules]]
+            name = "month"
+            policies = [{ algorithm = "sliding_window", limit = 10, window = "30d" }]
+            "#,
+        )
+        .unwrap_err();
+        assert_eq!(errors.paths(), ["rules[0].policies[0]"], "{errors}");
+        assert!(
+            errors.to_string().contains("Redis store cannot run"),
+            "{errors}"
+        );
+    }
+}
+
+/// A reload that changes nothing swaps nothing (tier caches stay warm); one that changes a key
+/// the concurrency limit or the shedder uses is refused, since those read their keys at start.
+#[tokio::test]
+async fn reload_keeps_what_it_must_not_change() {
+    let text = r#"
+        keys.client = { kind = "forwarded", trusted = ["10.0.0.0/8"] }
+        keys.either = { kind = "any_of", of = ["client", "api"] }
+        keys.api = { kind = "header", header = "x-api-key" }
+        [[rules]]
+        name = "per-client"
+        key = "client"
+        policies = [{ algorithm = "gcra", rate = "10/s" }]
+        [concurrency]
+        rules = [{ name = "in-flight", key = "either", max_in_flight = 4 }]
+    "#;
+    let config = Config::from_toml(text).unwrap();
+    let (layer, reloader) = config
+        .reloadable_rate_limit_layer(MemoryStore::new(), Bindings::new())
+        .unwrap();
+    let before: *const _ = &*layer.limiter();
+    let summary = reloader.reload_toml(text).unwrap();
+    assert!(summary.is_empty());
+    assert_eq!(summary.to_string(), "no change");
+    assert_eq!(before, &*layer.limiter() as *const _, "nothing swapped");
+
+    // `client` is used by the rate limit and, through `either`, by the concurrency limit.
+    let moved = text.replace("10.0.0.0/8", "192.168.0.0/16");
+    let errors = reloader.reload_toml(&moved).unwrap_err();
+    assert_eq!(errors.paths(), ["concurrency"], "{errors}");
+    // A key only the rate limit uses may change.
+    let only_rate = text.replace("x-api-key", "x-key");
+    let errors = reloader.reload_toml(&only_rate).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        ["concurrency"],
+        "api is part of either: {errors}"
+    );
+    let header = text.replace("\"10/s\"", "\"20/s\"");
+    assert_eq!(
+        reloader.reload_toml(&header).unwrap().changed,
+        ["per-client"]
+    );
+    let traced = format!("trace_keys = \"hashed\"\n{header}");
+    assert!(reloader.reload_toml(&traced).unwrap().answers_changed);
+}
+
+/// Bounds checked up front rather than clamped or found at start: the shedder's bounds, the
+/// lease time against the store's timeout, and the size of a file.
+#[test]
+fn bounds_are_checked_not_clamped() {
+    let shed = Config::from_toml("[shed]\nlimit = \"vegas\"\ninitial = 5000\n").unwrap_err();
+    assert_eq!(shed.paths(), ["shed.initial"], "{shed}");
+    let shed = Config::from_toml("[shed]\nlimit = \"vegas\"\ninitial = 5\nmin = 0\n").unwrap_err();
+    assert_eq!(shed.paths(), ["shed.min"], "{shed}");
+    #[cfg(feature = "redis")]
+    {
+        let lease = Config::from_toml(
+            "store = { kind = \"redis\", url = \"redis://x\", timeout = \"1s\" }\n\
+             [concurrency]\ntotal = 5\ndistributed = true\nlease_time = \"2s\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(lease.paths(), ["concurrency.lease_time"], "{lease}");
+    }
+    let huge = format!("# {}\n", "x".repeat(tollgate::config::MAX_FILE_LEN));
+    let errors = Config::from_toml(&huge).unwrap_err();
+    assert!(errors.to_string().contains("at most"), "{errors}");
+    let path = std::env::temp_dir().join(format!("tollgate-huge-{}.toml", std::process::id()));
+    std::fs::write(&path, &huge).unwrap();
+    assert!(
+        Config::from_toml_file(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("at most")
+    );
+    std::fs::remove_file(&path).ok();
 }
