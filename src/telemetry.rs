@@ -2,8 +2,8 @@
 //! `tracing`), the metrics (feature `metrics`, listed in `tollgate::metrics`), and how keys
 //! appear in them ([`KeyTrace`]).
 //!
-//! Both features are off by default, and without them nothing of this is compiled in: no
-//! handle, no clock read, no span.
+//! Both features are on by default; without them (`default-features = false`) nothing of
+//! this is compiled in: no handle, no clock read, no span.
 //!
 //! # Tracing
 //!

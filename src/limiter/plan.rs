@@ -243,6 +243,9 @@ pub(crate) struct CompiledRule {
     /// have), refused without a key, and could not decide.
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     admitted: Counter,
+    /// Admissions by the store's failure policy (fail open, or the local fallback): the
+    /// store did not decide.
+    failure_policy: Counter,
     no_key: Counter,
     store_error: Counter,
 }
@@ -404,8 +407,14 @@ impl CompiledRule {
             (false, MissingKey::Reject(_)) => (decisions("no_key"), decisions("store_error")),
             (false, MissingKey::Skip) => (Counter::noop(), decisions("store_error")),
         };
+        let failure_policy = if rule.shadow {
+            Counter::noop()
+        } else {
+            decisions("failure_policy")
+        };
         Ok(CompiledRule {
             admitted: decisions("admitted"),
+            failure_policy,
             no_key,
             store_error,
             suffix: format!("@{name}").into(),
@@ -871,6 +880,18 @@ impl<St: Store> Limiter<St> {
             return;
         }
         match result {
+            Ok(d) if d.allowed() && !d.reached_backend() => {
+                // Admitted by the failure policy: nothing was consumed from the store.
+                for a in applied {
+                    if let Some(rule) = self.rules.get(usize::from(a.rule)) {
+                        rule.failure_policy.increment(1);
+                    }
+                }
+                let first = applied
+                    .first()
+                    .and_then(|a| self.rules.get(usize::from(a.rule)));
+                span.record("failure_policy", first.map(|r| &*r.name), None, None);
+            }
             Ok(d) => {
                 let located = self.locate_set(applied, d.index());
                 if d.allowed() {
