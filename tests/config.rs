@@ -949,3 +949,54 @@ fn bounds_are_checked_not_clamped() {
     );
     std::fs::remove_file(&path).ok();
 }
+
+/// A reload keeps the tier answers of the rules it leaves as they were: the resolver (a
+/// database, in real life) is not asked again for them; a changed rule asks afresh.
+#[tokio::test]
+async fn reload_keeps_the_tier_caches_of_unchanged_rules() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let asked = std::sync::Arc::new(AtomicUsize::new(0));
+    let bindings = {
+        let asked = asked.clone();
+        Bindings::new().resolver("plans", move |key: String| {
+            asked.fetch_add(1, Ordering::SeqCst);
+            async move { key.starts_with("pro-").then(|| "pro".to_owned()) }
+        })
+    };
+    let text = |other: &str| {
+        format!(
+            r#"
+            keys.api = {{ kind = "header", header = "x-api-key" }}
+            [[rules]]
+            name = "plan"
+            key = "api"
+            tiers = {{ resolver = "plans", plans = [
+              {{ name = "free", policies = [{{ algorithm = "gcra", rate = "10/s" }}] }},
+              {{ name = "pro", policies = [{{ algorithm = "gcra", rate = "100/s" }}] }},
+            ] }}
+            [[rules]]
+            name = "other"
+            policies = [{{ algorithm = "gcra", rate = "{other}" }}]
+            "#
+        )
+    };
+    let (layer, reloader) = Config::from_toml(&text("1000/s"))
+        .unwrap()
+        .reloadable_rate_limit_layer(MemoryStore::new(), bindings)
+        .unwrap();
+    let service = app(layer);
+    assert_eq!(send(&service, "/", "pro-1").await.status(), StatusCode::OK);
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    // Another rule changes: the plan rule's answers stay.
+    assert_eq!(
+        reloader.reload_toml(&text("2000/s")).unwrap().changed,
+        ["other"]
+    );
+    assert_eq!(send(&service, "/", "pro-1").await.status(), StatusCode::OK);
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    // The plan rule changes: it asks again.
+    let changed = text("2000/s").replace("\"100/s\"", "\"200/s\"");
+    assert_eq!(reloader.reload_toml(&changed).unwrap().changed, ["plan"]);
+    assert_eq!(send(&service, "/", "pro-1").await.status(), StatusCode::OK);
+    assert_eq!(asked.load(Ordering::SeqCst), 2);
+}

@@ -189,8 +189,15 @@ impl<St: Store + Clone> Reloader<St> {
             return Err(ConfigErrors(errors));
         }
         config.check()?;
-        let shared = build_shared(&config, self.inner.store.clone(), &self.inner.bindings)?;
+        let mut shared = build_shared(&config, self.inner.store.clone(), &self.inner.bindings)?;
         let summary = summarize(&current, &config);
+        // Rules left as they were keep their tiers' cached answers.
+        let running = self.inner.cell.load();
+        shared.limiter.adopt_tier_caches(&running.limiter, |name| {
+            current.rules.iter().any(|r| r.name == name)
+                && !summary.changed.iter().any(|c| c == name)
+        });
+        drop(running);
         self.inner.cell.store(Arc::new(shared));
         *current = config;
         Ok(summary)

@@ -73,6 +73,28 @@ impl<St> Limiter<St> {
     pub fn rule_names(&self) -> impl Iterator<Item = &str> {
         self.rules.iter().map(|r| &*r.name)
     }
+
+    /// Takes over the tier caches of `old`'s rules of the same name for which `unchanged`
+    /// says so (a reload that left them as they were asks their resolvers nothing).
+    #[cfg_attr(not(feature = "serde"), allow(dead_code))]
+    pub(crate) fn adopt_tier_caches(
+        &mut self,
+        old: &Limiter<St>,
+        unchanged: impl Fn(&str) -> bool,
+    ) {
+        for rule in self.rules.iter_mut() {
+            let Some(tiers) = &mut rule.tiers else {
+                continue;
+            };
+            if !unchanged(&rule.name) {
+                continue;
+            }
+            let before = old.rules.iter().find(|r| r.name == rule.name);
+            if let Some(before) = before.and_then(|r| r.tiers.as_ref()) {
+                tiers.adopt(before);
+            }
+        }
+    }
 }
 
 impl<St> fmt::Debug for Limiter<St> {
