@@ -138,9 +138,11 @@
 //! consumed under every (rule, policy) pair it leaves as it was. A policy whose algorithm,
 //! limit, window, rate or name changes is new state, and starts fresh: its clients get its
 //! whole allowance once (a tightened limit is not charged with what was consumed under the old
-//! one). Renaming a rule starts its state fresh too. The `store`, `concurrency` and `shed`
-//! sections are read when the service starts: a reload that changes them is refused (restart
-//! to apply them), so what runs is always what the file says.
+//! one). Renaming a rule starts its state fresh too. Rules left as they were keep their
+//! tiers' cached answers, so a reload asks no resolver again for them, and a file that
+//! changed nothing swaps nothing. The `store`, `concurrency` and `shed` sections (and the keys
+//! those two use) are read when the service starts: a reload that changes them is refused
+//! (restart to apply them), so what runs is always what the file says.
 
 mod build;
 mod human;
