@@ -278,3 +278,54 @@ fn keys_changed(old: &Config, new: &Config, names: impl IntoIterator<Item = Stri
     }
     false
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(added: &[&str], removed: &[&str], changed: &[&str], answers: bool) -> ReloadSummary {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect();
+        ReloadSummary {
+            added: names(added),
+            removed: names(removed),
+            changed: names(changed),
+            answers_changed: answers,
+        }
+    }
+
+    /// The summary logged after a reload: each part only when it has something, in order.
+    #[test]
+    fn a_summary_says_what_changed() {
+        assert!(summary(&[], &[], &[], false).is_empty());
+        for (s, text) in [
+            (summary(&["a"], &[], &[], false), "added: a"),
+            (summary(&[], &["b"], &[], false), "removed: b"),
+            (summary(&[], &[], &["c", "d"], false), "changed: c, d"),
+            (summary(&[], &[], &[], true), "answers changed"),
+            (
+                summary(&["a"], &["b"], &["c"], true),
+                "added: a; removed: b; changed: c; answers changed",
+            ),
+            (
+                summary(&[], &["b"], &[], true),
+                "removed: b; answers changed",
+            ),
+        ] {
+            assert!(!s.is_empty(), "{text}");
+            assert_eq!(s.to_string(), text);
+        }
+        assert_eq!(summary(&[], &[], &[], false).to_string(), "no change");
+    }
+
+    #[test]
+    fn a_reloader_shows_its_bindings() {
+        let (_, reloader) = Config::default()
+            .reloadable_rate_limit_layer(crate::MemoryStore::new(), Bindings::new())
+            .unwrap();
+        let shown = format!("{reloader:?}");
+        assert!(
+            shown.starts_with("Reloader { bindings: Bindings"),
+            "{shown}"
+        );
+    }
+}
