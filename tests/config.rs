@@ -1000,3 +1000,29 @@ async fn reload_keeps_the_tier_caches_of_unchanged_rules() {
     assert_eq!(send(&service, "/", "pro-1").await.status(), StatusCode::OK);
     assert_eq!(asked.load(Ordering::SeqCst), 2);
 }
+
+/// The shedder is read at start: a reload that changes it, or the key its fairness uses, is
+/// refused; one that changes neither is applied.
+#[tokio::test]
+async fn reload_refuses_a_changed_shedder() {
+    let text = r#"
+        keys.tenant = { kind = "header", header = "x-tenant" }
+        [[rules]]
+        name = "all"
+        policies = [{ algorithm = "gcra", rate = "10/s" }]
+        [shed]
+        limit = "fixed"
+        initial = 100
+        fair_by = "tenant"
+    "#;
+    let (_, reloader) = Config::from_toml(text)
+        .unwrap()
+        .reloadable_rate_limit_layer(MemoryStore::new(), Bindings::new())
+        .unwrap();
+    let limit = text.replace("initial = 100", "initial = 200");
+    assert_eq!(reloader.reload_toml(&limit).unwrap_err().paths(), ["shed"]);
+    let key = text.replace("x-tenant", "x-org");
+    assert_eq!(reloader.reload_toml(&key).unwrap_err().paths(), ["shed"]);
+    let rate = text.replace("\"10/s\"", "\"20/s\"");
+    assert_eq!(reloader.reload_toml(&rate).unwrap().changed, ["all"]);
+}
