@@ -1026,3 +1026,22 @@ async fn reload_refuses_a_changed_shedder() {
     let rate = text.replace("\"10/s\"", "\"20/s\"");
     assert_eq!(reloader.reload_toml(&rate).unwrap().changed, ["all"]);
 }
+
+/// A reload from a file reads it whole: a missing file is an error that names it.
+#[tokio::test]
+async fn reload_from_a_file() {
+    let path = std::env::temp_dir().join(format!("tollgate-reload-{}.toml", std::process::id()));
+    std::fs::write(&path, RELOAD_A).unwrap();
+    let (_, reloader) = Config::from_toml_file(&path)
+        .unwrap()
+        .reloadable_rate_limit_layer(MemoryStore::new(), Bindings::new())
+        .unwrap();
+    std::fs::write(&path, RELOAD_A.replace("limit = 3", "limit = 9")).unwrap();
+    assert_eq!(reloader.reload_file(&path).unwrap().changed, ["per-key"]);
+    std::fs::remove_file(&path).unwrap();
+    let missing = reloader.reload_file(&path).unwrap_err();
+    assert!(
+        missing.to_string().contains("tollgate-reload-"),
+        "{missing}"
+    );
+}
