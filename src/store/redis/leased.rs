@@ -137,8 +137,10 @@ struct Entry {
     kind: Kind,
     /// Oldest first (the first to expire).
     leases: SmallVec<[Lease; 2]>,
-    /// A lease call is in flight.
+    /// A lease call is in flight, sent at `fetch_sent` (local ns); `done` is told when it ends.
     fetching: bool,
+    fetch_sent: u64,
+    done: tokio::sync::watch::Sender<()>,
     /// The span being counted, its demand so far, and the previous span's.
     span: u64,
     demand: u64,
@@ -146,6 +148,11 @@ struct Entry {
     /// When a check last asked for this key.
     used_at: u64,
     as_of: Option<AsOf>,
+    /// The key is short (its last lease call got less than it asked for): until this local
+    /// time, checks the leases cannot cover are refused here (0: not short).
+    short_until: u64,
+    /// How long that refusal was (the wait a refusal reports while the next call is out).
+    hold: u64,
 }
 
 impl Entry {
@@ -220,8 +227,9 @@ impl Entry {
         Some(parts)
     }
 
-    /// A decision from the leases, for the check at `index`.
-    fn decision(&self, now: u64, index: usize) -> Decision {
+    /// A decision from the leases, for the check at `index`: admitted, or refused with
+    /// `retry` (ns).
+    fn decision(&self, now: u64, index: usize, retry: Option<u64>) -> Decision {
         let limit = self.policy.limit();
         let (remaining, reset) = match self.as_of {
             Some(a) => (
@@ -230,9 +238,29 @@ impl Entry {
             ),
             None => (self.held().min(limit), 0),
         };
-        Decision::from_nanos(true, limit, remaining, reset, 0)
+        Decision::from_nanos(retry.is_none(), limit, remaining, reset, retry.unwrap_or(0))
             .with_index(index)
             .without_backend()
+    }
+
+    /// After a lease call that asked for `want` and consumed `granted` (its decision `d`):
+    /// whether the key is short, and for how long to refuse locally what leases do not cover.
+    fn shortage(&self, d: &Decision, want: u64, granted: u64, config: &Config) -> u64 {
+        let ns = |t: Duration| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX);
+        let hold = match (self.kind, d.retry_after()) {
+            // Refused: nothing of this cost fits before its retry time.
+            (_, Some(retry)) => ns(retry),
+            // A window with nothing left: until it ends.
+            (Kind::Window, None) if d.remaining() == 0 => ns(d.reset_after()),
+            (Kind::Window, None) => 0,
+            // A bucket that had less than asked for: until the missing part has refilled, at
+            // most a lease lifetime.
+            (Kind::Bucket, None) => want
+                .saturating_sub(granted)
+                .saturating_mul(self.policy.period_nanos())
+                .min(config.lifetime),
+        };
+        hold.min(config.span.max(config.lifetime))
     }
 
     /// The size of the next lease for a request of `cost` at `now` (`cost` itself: no lease).
@@ -272,6 +300,7 @@ struct Counters {
     leases: AtomicU64,
     units_leased: AtomicU64,
     local_decisions: AtomicU64,
+    local_refusals: AtomicU64,
     units_spent: AtomicU64,
     units_returned: AtomicU64,
     units_dropped: AtomicU64,
@@ -289,6 +318,8 @@ pub struct LeaseStats {
     pub local_decisions: u64,
     /// Units those checks spent.
     pub units_spent: u64,
+    /// Checks refused without Redis because their key was short (see [`LeasedStore`]).
+    pub local_refusals: u64,
     /// Unspent units sent back to Redis.
     pub units_returned: u64,
     /// Unspent units neither spent nor given back (a refund that failed, units put back
@@ -312,6 +343,9 @@ struct Shared {
     shards: Box<[Mutex<HashTable<Entry>>]>,
     /// Leases expired or emptied, to give back at the next sweep.
     returns: Mutex<Vec<Back>>,
+    /// Held while a sweep or flush gives back: when a flush returns, so has every refund
+    /// collected before it.
+    sweeping: tokio::sync::Mutex<()>,
     closed: AtomicBool,
     ids: AtomicU64,
     counters: Counters,
@@ -367,7 +401,21 @@ struct Shared {
 ///
 /// When half of what an instance holds for a key is spent, it takes the next lease in the
 /// background, so the local path rarely runs dry. One lease call per key is in flight at a
-/// time; a check that finds no units while one is in flight goes to Redis on its own.
+/// time; a check that finds no units while one is in flight waits for it (a round trip, as a
+/// Redis check would), then is decided again (going to Redis on its own if it must).
+///
+/// **Short keys.** When a lease call gets less than it asked for because the key is nearly out
+/// of quota (a bucket nearly empty, a window with nothing left, or the call refused), the key
+/// is *short* for a *hold*: the call's own `retry_after` when it was refused; otherwise, for a
+/// window, until the window ends; for a bucket, until the missing part has refilled (at most
+/// `L`). Holds last at most the longer of the lease span and `L`. During the hold, and while
+/// the next lease call is out (for at most another hold), the checks on the key that the
+/// leases do not cover are refused here ([`Decision::without_backend`], `retry_after` the rest
+/// of the hold). A hot key above its limit then costs Redis about one call per instance per
+/// hold, not one per refused request. These refusals defer admissions, they do not lose them:
+/// a bucket keeps refilling meanwhile, from at most a lease's worth (far below its burst, so
+/// nothing is capped away), and the next lease takes what refilled; a window refuses what
+/// Redis would refuse too (unless another instance gives units back before the window ends).
 ///
 /// # Guarantees
 ///
@@ -385,7 +433,9 @@ struct Shared {
 ///   (`B` the burst, `r` the rate): what it admits in `T` was consumed within `T + L`.
 /// - **Under-admission**: while leases are out, Redis refuses what they hold, so the fleet may
 ///   admit less than without leases, by at most the sum of the outstanding leases' unspent
-///   units ([`LeaseStats::outstanding`]). Unspent units go back when a lease expires, when its
+///   units ([`LeaseStats::outstanding`]), and while a key is short, an instance defers its
+///   admissions by at most a hold and a round trip (see above). Unspent units go back when a
+///   lease expires, when its
 ///   key has been idle for [`idle_after`](LeasedStoreBuilder::idle_after) (default 20 ms), on
 ///   [`flush`](LeasedStore::flush), [`shutdown`](LeasedStore::shutdown) and drop. A bucket's
 ///   refund moves its state back as if the units had never been consumed (less what idle
@@ -536,6 +586,7 @@ impl LeasedStoreBuilder {
             sketch: (0..SKETCH_SLOTS).map(|_| AtomicU64::new(0)).collect(),
             shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
             returns: Mutex::new(Vec::new()),
+            sweeping: tokio::sync::Mutex::new(()),
             closed: AtomicBool::new(false),
             ids: AtomicU64::new(1),
             counters: Counters::default(),
@@ -607,6 +658,7 @@ impl LeasedStore {
             units_leased: get(&c.units_leased),
             local_decisions: get(&c.local_decisions),
             units_spent: get(&c.units_spent),
+            local_refusals: get(&c.local_refusals),
             units_returned: get(&c.units_returned),
             units_dropped: get(&c.units_dropped),
             outstanding,
@@ -631,7 +683,15 @@ impl LeasedStore {
         {
             return LeasedFuture::redis(shared.redis.check_all(checks));
         }
-        match shared.plan(checks) {
+        self.decide(checks, true)
+    }
+
+    /// [`LeasedStore::check_all`] once the stack is known to involve leases: a check that
+    /// finds its key's leases empty while a lease call is out waits for that call (once, with
+    /// `may_wait`), then decides again.
+    fn decide(&self, checks: &[Check<'_>], may_wait: bool) -> LeasedFuture {
+        let shared = &self.shared;
+        match shared.plan(checks, may_wait) {
             Err(e) => LeasedFuture::ready(Err(e)),
             Ok(Plan::Direct) => LeasedFuture::redis(shared.redis.check_all(checks)),
             Ok(Plan::Local(d)) => LeasedFuture::ready(Ok(d)),
@@ -642,18 +702,40 @@ impl LeasedStore {
                     shared.finish(taken, ask.locals, ask.fetches)
                 }))
             }
+            Ok(Plan::Wait(mut done)) => {
+                let owned: Vec<(Box<str>, usize, Policy, u64)> = checks
+                    .iter()
+                    .map(|c| {
+                        let placement = c.placement().len();
+                        (c.key().into(), placement, c.policy().clone(), c.cost())
+                    })
+                    .collect();
+                let store = self.clone();
+                LeasedFuture::boxed(async move {
+                    // Woken when the call is back (or the key is no longer tracked).
+                    let _ = done.changed().await;
+                    let checks: SmallVec<[Check<'_>; 4]> = owned
+                        .iter()
+                        .map(|(k, p, policy, cost)| Check::new(k, policy, *cost).placed_by(*p))
+                        .collect();
+                    store.decide(&checks, false).await
+                })
+            }
         }
     }
 
     /// Gives back the leases that have expired and those of keys idle for
     /// [`idle_after`](LeasedStoreBuilder::idle_after), now (the background sweep calls this).
     pub async fn sweep(&self) -> Result<(), StoreError> {
+        let _one_at_a_time = self.shared.sweeping.lock().await;
         let returns = self.shared.collect(false);
         self.shared.give_back(returns).await
     }
 
-    /// Gives back every lease now. Keys lease again when they are next hot.
+    /// Gives back every lease now, and waits for a sweep in progress to end. Keys lease again
+    /// when they are next hot.
     pub async fn flush(&self) -> Result<(), StoreError> {
+        let _one_at_a_time = self.shared.sweeping.lock().await;
         let returns = self.shared.collect(true);
         self.shared.give_back(returns).await
     }
@@ -695,6 +777,8 @@ impl Store for LeasedStore {
 
 /// What a check_all does.
 enum Plan {
+    /// A check waits for its key's lease call in flight; then the stack is decided again.
+    Wait(tokio::sync::watch::Receiver<()>),
     /// Nothing leased is involved: the Redis store's own path.
     Direct,
     /// Every check answered from leases.
@@ -728,12 +812,29 @@ struct Fetch {
     entry: u64,
     index: usize,
     cost: u64,
+    /// What the lease call asks for (at least the cost).
+    want: u64,
+}
+
+/// What deciding a stack leaves to do once the locks are released.
+struct Effects<'c> {
+    /// Leases expired or emptied, to give back.
+    returns: Vec<Back>,
+    /// Lease calls to make in the background: (the check, its fetch, what to ask for).
+    prefetch: SmallVec<[(Check<'c>, Fetch, u64); 1]>,
 }
 
 /// What one check of a stack does.
 enum Step {
+    /// Waits for the lease call in flight.
+    Wait(tokio::sync::watch::Receiver<()>),
+    /// Spent from leases.
     Local(Local),
-    Fetch(Fetch, u64),
+    /// Refused here: the key is short.
+    Refuse(Decision),
+    /// Asks Redis, taking a lease.
+    Fetch(Fetch),
+    /// Asks Redis, as without leases.
     Direct,
 }
 
@@ -756,7 +857,7 @@ impl Shared {
         )
     }
 
-    fn plan(self: &Arc<Self>, checks: &[Check<'_>]) -> Result<Plan, StoreError> {
+    fn plan(self: &Arc<Self>, checks: &[Check<'_>], may_wait: bool) -> Result<Plan, StoreError> {
         let max_key_len = self.redis.inner.max_key_len;
         // The same (key, policy) twice in one stack is one check of the summed cost, as the
         // Redis store merges it.
@@ -788,21 +889,23 @@ impl Shared {
         }
         let now = self.clock.now();
         let mut steps: SmallVec<[Step; 4]> = SmallVec::new();
-        let mut prefetch: SmallVec<[(Check<'_>, Fetch, u64); 1]> = SmallVec::new();
-        let mut returns = Vec::new();
+        let mut effects = Effects {
+            returns: Vec::new(),
+            prefetch: SmallVec::new(),
+        };
         for &(check, index) in &merged {
             let step = match kind(check.policy().algorithm()) {
                 Some(kind) if check.cost() > 0 => {
-                    self.step(check, index, kind, now, &mut returns, &mut prefetch)
+                    self.step(check, index, kind, now, may_wait, &mut effects)
                 }
                 _ => Step::Direct,
             };
             steps.push(step);
         }
-        if !returns.is_empty() {
-            self.returns.lock().append(&mut returns);
+        if !effects.returns.is_empty() {
+            self.returns.lock().append(&mut effects.returns);
         }
-        for (check, fetch, want) in prefetch {
+        for (check, fetch, want) in effects.prefetch {
             let future = self.redis.take(&[Wanted {
                 check: check.with_cost(0),
                 index: 0,
@@ -813,6 +916,36 @@ impl Shared {
                 let taken = future.await;
                 shared.finish(taken, SmallVec::new(), [fetch].into_iter().collect())
             });
+        }
+        let refused = steps.iter().filter_map(|s| match s {
+            Step::Refuse(d) => Some(*d),
+            _ => None,
+        });
+        let refusal = refused.reduce(Decision::most_restrictive);
+        let wait = steps.iter().find_map(|s| match s {
+            Step::Wait(done) => Some(done.clone()),
+            _ => None,
+        });
+        let early = match (refusal, wait) {
+            (Some(refusal), _) => {
+                self.counters.local_refusals.fetch_add(1, Ordering::Relaxed);
+                Some(Plan::Local(refusal))
+            }
+            (None, Some(done)) => Some(Plan::Wait(done)),
+            (None, None) => None,
+        };
+        if let Some(plan) = early {
+            // Nothing is consumed anywhere: units taken from leases go back, calls are not made.
+            let mut locals: SmallVec<[Local; 2]> = SmallVec::new();
+            for s in steps {
+                match s {
+                    Step::Local(l) => locals.push(l),
+                    Step::Fetch(f) => self.install(&f, None, 0),
+                    _ => {}
+                }
+            }
+            self.put_back(&locals);
+            return Ok(plan);
         }
         if steps.iter().all(|s| matches!(s, Step::Local(_))) {
             let mut decision: Option<Decision> = None;
@@ -836,14 +969,15 @@ impl Shared {
         for ((check, index), step) in merged.iter().zip(steps) {
             match step {
                 Step::Local(l) => locals.push(l),
-                Step::Fetch(f, want) => {
+                Step::Fetch(f) => {
                     fetches.push(f);
                     wanted.push(Wanted {
                         check: *check,
                         index: *index,
-                        want,
+                        want: f.want,
                     });
                 }
+                Step::Refuse(_) | Step::Wait(_) => {}
                 Step::Direct => wanted.push(Wanted {
                     check: *check,
                     index: *index,
@@ -865,9 +999,10 @@ impl Shared {
         index: usize,
         kind: Kind,
         now: u64,
-        returns: &mut Vec<Back>,
-        prefetch: &mut SmallVec<[(Check<'c>, Fetch, u64); 1]>,
+        may_wait: bool,
+        effects: &mut Effects<'c>,
     ) -> Step {
+        let (returns, prefetch) = (&mut effects.returns, &mut effects.prefetch);
         let config = &self.config;
         let hash = self.hash(&check);
         let cost = check.cost();
@@ -877,16 +1012,18 @@ impl Shared {
             e.expire(now, returns);
             let granted = e.leases.last().map_or(0, |l| l.granted);
             if let Some(parts) = e.spend(cost, returns) {
-                let decision = e.decision(now, index);
+                let decision = e.decision(now, index, None);
                 if !e.fetching && e.low(granted.max(cost)) {
                     let want = e.want(now, 0, config);
                     if want > 0 {
                         e.fetching = true;
+                        e.fetch_sent = now;
                         let fetch = Fetch {
                             hash,
                             entry: e.id,
                             index: 0,
                             cost: 0,
+                            want,
                         };
                         prefetch.push((check, fetch, want));
                     }
@@ -898,20 +1035,31 @@ impl Shared {
                     decision,
                 });
             }
+            if now < e.short_until {
+                let retry = e.short_until - now;
+                return Step::Refuse(e.decision(now, index, Some(retry)));
+            }
             if e.fetching {
+                if e.short_until > 0 && now < e.fetch_sent.saturating_add(e.hold) {
+                    // Short, and the next lease call is out (for less than a hold): refused
+                    // here too.
+                    return Step::Refuse(e.decision(now, index, Some(e.hold.max(1))));
+                }
+                if may_wait {
+                    return Step::Wait(e.done.subscribe());
+                }
                 return Step::Direct;
             }
             e.fetching = true;
+            e.fetch_sent = now;
             let want = e.want(now, cost, config);
-            return Step::Fetch(
-                Fetch {
-                    hash,
-                    entry: e.id,
-                    index,
-                    cost,
-                },
+            return Step::Fetch(Fetch {
+                hash,
+                entry: e.id,
+                index,
+                cost,
                 want,
-            );
+            });
         }
         let span = now / config.span.max(1);
         let demand = self.bump(hash, span, cost);
@@ -927,11 +1075,15 @@ impl Shared {
             kind,
             leases: SmallVec::new(),
             fetching: true,
+            fetch_sent: now,
+            done: tokio::sync::watch::Sender::new(()),
             span,
             demand,
             last_demand: 0,
             used_at: now,
             as_of: None,
+            short_until: 0,
+            hold: 0,
         };
         let want = entry.want(now, cost, config);
         let fetch = Fetch {
@@ -939,9 +1091,10 @@ impl Shared {
             entry: entry.id,
             index,
             cost,
+            want,
         };
         table.insert_unique(hash, entry, |e| e.hash);
-        Step::Fetch(fetch, want)
+        Step::Fetch(fetch)
     }
 
     fn counted_local(&self, l: &Local) {
@@ -996,7 +1149,7 @@ impl Shared {
                     )
                     .with_index(d.index());
                 }
-                self.install(f, Some((&item, taken.sent)), extra);
+                self.install(f, Some((&item, taken.sent, admitted)), extra);
             }
             decisions.push(d);
         }
@@ -1014,14 +1167,21 @@ impl Shared {
             .unwrap_or(taken.decision))
     }
 
-    /// Ends a fetch: installs `extra` units of `answer`'s lease (sent at the given time), or
-    /// only clears the fetch when there is no answer. Idempotent for a fetch already ended.
-    fn install(&self, f: &Fetch, answer: Option<(&TakenItem, u64)>, extra: u64) {
+    /// Ends a fetch: installs `extra` units of `answer`'s lease (its item, when its call was
+    /// sent, whether the call was admitted), or only clears the fetch when there is no answer.
+    fn install(&self, f: &Fetch, answer: Option<(&TakenItem, u64, bool)>, extra: u64) {
+        if answer.is_some() && extra > 0 {
+            // Taken out of Redis: spent, given back or dropped from here on.
+            self.counters.leases.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .units_leased
+                .fetch_add(extra, Ordering::Relaxed);
+        }
         let mut table = self.shard(f.hash).lock();
         let entry = table.find_mut(f.hash, |e| e.id == f.entry);
         let Some(e) = entry else {
             drop(table);
-            if let Some((item, _)) = answer {
+            if let Some((item, _, _)) = answer {
                 if let Some(ticket) = &item.ticket {
                     // The key is no longer tracked: give it all back.
                     self.returns.lock().push(Back {
@@ -1033,17 +1193,26 @@ impl Shared {
             }
             return;
         };
-        let Some((item, sent)) = answer else {
-            e.fetching = false;
+        e.fetching = false;
+        e.done.send_replace(());
+        let Some((item, sent, admitted)) = answer else {
             return;
         };
-        e.fetching = false;
         let d = item.decision;
         e.as_of = Some(AsOf {
             remaining: d.remaining(),
             sent,
             reset_after: u64::try_from(d.reset_after().as_nanos()).unwrap_or(u64::MAX),
         });
+        // (A key admitted while another check of its stack was refused is not short.)
+        if admitted || !d.allowed() {
+            e.hold = e.shortage(&d, f.want, item.granted, &self.config);
+            e.short_until = if e.hold > 0 {
+                sent.saturating_add(e.hold)
+            } else {
+                0
+            };
+        }
         let Some(ticket) = item.ticket.clone() else {
             return;
         };
@@ -1071,10 +1240,6 @@ impl Shared {
             expires,
             ticket,
         });
-        self.counters.leases.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .units_leased
-            .fetch_add(extra, Ordering::Relaxed);
     }
 
     /// Puts units taken from leases back (their call was refused or failed).
@@ -1179,6 +1344,7 @@ enum FutureState {
     Ready(Option<Result<Decision, StoreError>>),
     Redis(ResponseFuture),
     Spawned(tokio::task::JoinHandle<Result<Decision, StoreError>>),
+    Boxed(Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send + 'static>>),
 }
 
 impl LeasedFuture {
@@ -1199,6 +1365,12 @@ impl LeasedFuture {
             state: FutureState::Spawned(h),
         }
     }
+
+    fn boxed(f: impl Future<Output = Result<Decision, StoreError>> + Send + 'static) -> Self {
+        Self {
+            state: FutureState::Boxed(Box::pin(f)),
+        }
+    }
 }
 
 impl Future for LeasedFuture {
@@ -1215,6 +1387,7 @@ impl Future for LeasedFuture {
                 Ok(r) => r,
                 Err(e) => Err(StoreError::Backend(Box::new(e))),
             }),
+            FutureState::Boxed(f) => f.as_mut().poll(cx),
         }
     }
 }
@@ -1225,6 +1398,7 @@ impl fmt::Debug for LeasedFuture {
             FutureState::Ready(_) => "ready",
             FutureState::Redis(_) => "redis",
             FutureState::Spawned(_) => "spawned",
+            FutureState::Boxed(_) => "waiting",
         };
         f.debug_struct("LeasedFuture")
             .field("state", &state)
@@ -1273,11 +1447,15 @@ mod tests {
             policy,
             leases: SmallVec::new(),
             fetching: false,
+            fetch_sent: 0,
+            done: tokio::sync::watch::Sender::new(()),
             span: 0,
             demand: 0,
             last_demand: 0,
             used_at: 0,
             as_of: None,
+            short_until: 0,
+            hold: 0,
         }
     }
 
@@ -1344,6 +1522,35 @@ mod tests {
     }
 
     #[test]
+    fn a_key_is_short_when_a_lease_call_gets_less_than_it_asked_for() {
+        let c = config();
+        let ms = Duration::from_millis;
+        let b = entry(Policy::gcra(Rate::per_second(1_000), 10_000).unwrap());
+        // All of it: not short.
+        let all = Decision::admitted(10_000, 50, ms(0));
+        assert_eq!(b.shortage(&all, 100, 100, &c), 0);
+        // 2 of 4 asked: until 2 units have refilled (1 ms each)...
+        assert_eq!(b.shortage(&all, 4, 2, &c), 2 * MS);
+        // ... at most L.
+        assert_eq!(b.shortage(&all, 100, 2, &c), 5 * MS);
+        // Refused: its retry time, at most the longer of the span and L.
+        let no = Decision::rejected(10_000, 0, ms(10_000), ms(3));
+        assert_eq!(b.shortage(&no, 100, 0, &c), 3 * MS);
+        let no = Decision::rejected(10_000, 0, ms(10_000), ms(300));
+        assert_eq!(b.shortage(&no, 100, 0, &c), 10 * MS);
+        // A window: short only with nothing left, until it ends.
+        let w = entry(Policy::fixed_window(1_000, Duration::from_secs(1)).unwrap());
+        assert_eq!(
+            w.shortage(&Decision::admitted(1_000, 3, ms(4)), 10, 5, &c),
+            0
+        );
+        assert_eq!(
+            w.shortage(&Decision::admitted(1_000, 0, ms(4)), 10, 5, &c),
+            4 * MS
+        );
+    }
+
+    #[test]
     fn spending_takes_from_the_oldest_leases_and_empties_them() {
         let mut e = entry(Policy::gcra(Rate::per_second(1_000), 10_000).unwrap());
         e.leases.push(lease(1, 1, 100));
@@ -1358,8 +1565,10 @@ mod tests {
         e.expire(200, &mut out);
         assert_eq!(e.held(), 0);
         assert_eq!((out[1].id, out[1].units), (2, 4));
-        let d = e.decision(0, 3);
+        let d = e.decision(0, 3, None);
         assert!(!d.reached_backend() && d.allowed() && d.index() == 3);
+        let d = e.decision(0, 3, Some(7));
+        assert_eq!(d.retry_after(), Some(Duration::from_nanos(7)));
     }
 
     #[test]
