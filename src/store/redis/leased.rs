@@ -599,13 +599,18 @@ impl LeasedStoreBuilder {
     }
 }
 
-/// Gives back expired and idle leases every `every`, until the store is dropped.
+/// Gives back expired and idle leases every `every` (twenty times less often while no key
+/// is hot), until the store is dropped.
 async fn sweeper(store: Weak<Shared>, every: Duration) {
+    let mut pause = every;
     loop {
-        tokio::time::sleep(every).await;
+        tokio::time::sleep(pause).await;
         let Some(shared) = store.upgrade() else {
             return;
         };
+        let idle =
+            shared.returns.lock().is_empty() && shared.shards.iter().all(|s| s.lock().is_empty());
+        pause = if idle { every * 20 } else { every };
         let _ = LeasedStore { shared }.sweep().await;
     }
 }
@@ -789,15 +794,16 @@ enum Plan {
 
 struct Ask {
     future: super::TakeFuture,
-    /// Units taken from leases: (key hash, lease id, units, the decision).
+    /// Checks answered from leases, pending Redis' verdict on the others.
     locals: SmallVec<[Local; 2]>,
-    /// Checks that take a lease: (key hash, entry id, index, cost).
+    /// Checks whose call takes a lease.
     fetches: SmallVec<[Fetch; 2]>,
 }
 
 /// Units taken from leases: (lease id, units).
 type Parts = SmallVec<[(u64, u64); 2]>;
 
+/// A check answered from its key's leases.
 #[derive(Clone)]
 struct Local {
     hash: u64,
@@ -806,6 +812,7 @@ struct Local {
     decision: Decision,
 }
 
+/// A lease call: its key's entry (hash, id), the check's index and cost.
 #[derive(Clone, Copy)]
 struct Fetch {
     hash: u64,
