@@ -64,13 +64,43 @@ struct Machine {
 }
 
 impl Machine {
-    fn set(&mut self, state: BreakerState) {
-        if std::mem::discriminant(&state) != std::mem::discriminant(&self.state) {
-            self.epoch = self.epoch.wrapping_add(1);
-        }
+    /// Moves to `state`; the change of status, if there is one, for the observer.
+    fn set(&mut self, state: BreakerState) -> Option<Change> {
+        let from = self.state;
         self.state = state;
+        if std::mem::discriminant(&state) == std::mem::discriminant(&from) {
+            return None;
+        }
+        self.epoch = self.epoch.wrapping_add(1);
+        Some(Change {
+            from: status(from),
+            to: status(state),
+            epoch: self.epoch,
+        })
     }
 }
+
+fn status(state: BreakerState) -> BreakerStatus {
+    match state {
+        BreakerState::Closed { .. } => BreakerStatus::Closed,
+        BreakerState::Open { .. } => BreakerStatus::Open,
+        BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen,
+    }
+}
+
+/// A change of the breaker's status, as its observer is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Change {
+    pub(crate) from: BreakerStatus,
+    pub(crate) to: BreakerStatus,
+    /// The epoch the change started: observers told out of order (each is told after the
+    /// lock is released) keep the latest by it.
+    pub(crate) epoch: u64,
+}
+
+/// Told of every change of status, after the breaker's lock is released (for metrics and
+/// logs).
+pub(crate) type Observer = Box<dyn Fn(Change) + Send + Sync>;
 
 /// Whether a call may go through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,8 +112,102 @@ pub(crate) enum Permit {
     Refuse,
 }
 
+/// Whose breaker it is, for its metrics and events.
+#[cfg(any(feature = "metrics", feature = "tracing"))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// A [`ResilientStore`](crate::store::ResilientStore)'s: labelled `store`.
+    Store,
+    /// An outbound `client::CircuitBreakerLayer`'s: labelled `client`.
+    #[cfg_attr(not(feature = "client"), allow(dead_code))]
+    Client,
+}
+
+/// The observer of the breaker named `name`: its state as a gauge (0 closed, 1 half open, 2
+/// open), its transitions counted, and each logged (opened: WARN, half open: DEBUG, closed:
+/// INFO).
+#[cfg(any(feature = "metrics", feature = "tracing"))]
+pub(crate) fn observer(role: Role, name: &Arc<str>, open_for: Duration) -> Observer {
+    use crate::metrics::{
+        BREAKER_STATE, BREAKER_TRANSITIONS_TOTAL, CLIENT_BREAKER_STATE,
+        CLIENT_BREAKER_TRANSITIONS_TOTAL,
+    };
+    use crate::telemetry::{Counter, Gauge, event};
+    let (state, transitions, label) = match role {
+        Role::Store => (BREAKER_STATE, BREAKER_TRANSITIONS_TOTAL, "store"),
+        Role::Client => (
+            CLIENT_BREAKER_STATE,
+            CLIENT_BREAKER_TRANSITIONS_TOTAL,
+            "client",
+        ),
+    };
+    let gauge = Gauge::new(state, &[(label, name)]);
+    gauge.set(0.0);
+    let to = ["closed", "half_open", "open"]
+        .map(|to| Counter::new(transitions, &[(label, name), ("to", to)]));
+    let name = Arc::clone(name);
+    // The epoch of the change the gauge shows: a change told late (its thread was preempted
+    // between releasing the lock and telling) must not overwrite a later one.
+    let shown = std::sync::atomic::AtomicU64::new(0);
+    Box::new(move |change: Change| {
+        let index = match change.to {
+            BreakerStatus::Closed => 0,
+            BreakerStatus::HalfOpen => 1,
+            BreakerStatus::Open => 2,
+        };
+        if shown.fetch_max(change.epoch, std::sync::atomic::Ordering::AcqRel) < change.epoch {
+            gauge.set(index as f64);
+        }
+        to[index].increment(1);
+        let _ = (&name, open_for);
+        match (role, change.to) {
+            (Role::Store, BreakerStatus::Open) => event!(
+                warn,
+                name: "tollgate.breaker.opened",
+                parent: None,
+                store = &*name,
+                open_for = ?open_for,
+                "the store's circuit breaker opened: calls take the failure policy without asking it"
+            ),
+            (Role::Store, BreakerStatus::HalfOpen) => event!(
+                debug,
+                name: "tollgate.breaker.half_open",
+                store = &*name,
+                "the store's circuit breaker lets a probe through"
+            ),
+            (Role::Store, BreakerStatus::Closed) => event!(
+                info,
+                name: "tollgate.breaker.closed",
+                parent: None,
+                store = &*name,
+                "the store's circuit breaker closed: the store answers again"
+            ),
+            (Role::Client, BreakerStatus::Open) => event!(
+                warn,
+                name: "tollgate.client.breaker.opened",
+                parent: None,
+                client = &*name,
+                open_for = ?open_for,
+                "the outbound circuit breaker opened: calls are refused without reaching the backend"
+            ),
+            (Role::Client, BreakerStatus::HalfOpen) => event!(
+                debug,
+                name: "tollgate.client.breaker.half_open",
+                client = &*name,
+                "the outbound circuit breaker lets a trial call through"
+            ),
+            (Role::Client, BreakerStatus::Closed) => event!(
+                info,
+                name: "tollgate.client.breaker.closed",
+                parent: None,
+                client = &*name,
+                "the outbound circuit breaker closed: the backend answers again"
+            ),
+        }
+    })
+}
+
 /// A circuit breaker on a clock.
-#[derive(Debug)]
 pub(crate) struct Breaker<C> {
     clock: C,
     threshold: u32,
@@ -92,6 +216,19 @@ pub(crate) struct Breaker<C> {
     /// whose calls time out by themselves).
     probe_timeout: Option<Duration>,
     machine: Mutex<Machine>,
+    observer: Option<Observer>,
+}
+
+impl<C: std::fmt::Debug> std::fmt::Debug for Breaker<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Breaker")
+            .field("clock", &self.clock)
+            .field("threshold", &self.threshold)
+            .field("open_for", &self.open_for)
+            .field("probe_timeout", &self.probe_timeout)
+            .field("machine", &self.machine)
+            .finish_non_exhaustive()
+    }
 }
 
 fn nanos(d: Duration) -> Option<u64> {
@@ -112,7 +249,28 @@ impl<C: Clock> Breaker<C> {
                 epoch: 0,
                 next_probe: None,
             }),
+            observer: None,
         }
+    }
+
+    /// Tells `observer` of every change of status.
+    #[cfg_attr(not(any(feature = "metrics", feature = "tracing")), allow(dead_code))]
+    pub(crate) fn observe(mut self, observer: Observer) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    /// Tells the observer of `change`, if any (call it with the lock released).
+    fn notify(&self, change: Option<Change>) {
+        if let (Some(observer), Some(change)) = (&self.observer, change) {
+            observer(change);
+        }
+    }
+
+    /// The clock's time now, in nanoseconds.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    pub(crate) fn now(&self) -> u64 {
+        self.clock.now()
     }
 
     /// Lets another probe go when one has stayed unanswered for `timeout` (its answer, should
@@ -131,11 +289,7 @@ impl<C: Clock> Breaker<C> {
 
     /// The state now, as reported.
     pub(crate) fn status(&self) -> BreakerStatus {
-        match self.state() {
-            BreakerState::Closed { .. } => BreakerStatus::Closed,
-            BreakerState::Open { .. } => BreakerStatus::Open,
-            BreakerState::HalfOpen { .. } => BreakerStatus::HalfOpen,
-        }
+        status(self.state())
     }
 
     /// How long until the next probe may go: zero when closed or due, `open_for` while a probe
@@ -158,22 +312,25 @@ impl<C: Clock> Breaker<C> {
     pub(crate) fn permit(&self) -> Permit {
         let mut machine = self.machine.lock();
         let now = self.clock.now();
-        match machine.state {
-            BreakerState::Closed { .. } => Permit::Call(machine.epoch),
+        let (permit, change) = match machine.state {
+            BreakerState::Closed { .. } => return Permit::Call(machine.epoch),
             BreakerState::Open { until: Some(until) } if now >= until => self.probe(&mut machine),
             BreakerState::HalfOpen { .. } if machine.next_probe.is_some_and(|at| now >= at) => {
                 self.probe(&mut machine)
             }
-            BreakerState::Open { .. } | BreakerState::HalfOpen { .. } => Permit::Refuse,
-        }
+            BreakerState::Open { .. } | BreakerState::HalfOpen { .. } => return Permit::Refuse,
+        };
+        drop(machine);
+        self.notify(change);
+        permit
     }
 
-    fn probe(&self, machine: &mut Machine) -> Permit {
+    fn probe(&self, machine: &mut Machine) -> (Permit, Option<Change>) {
         machine.probes = machine.probes.wrapping_add(1);
         let probe = machine.probes;
-        machine.set(BreakerState::HalfOpen { probe });
+        let change = machine.set(BreakerState::HalfOpen { probe });
         machine.next_probe = self.probe_timeout.and_then(|t| self.after(t));
-        Permit::Probe(probe)
+        (Permit::Probe(probe), change)
     }
 
     /// Now plus `wait`, or `None` beyond the clock's range.
@@ -184,11 +341,21 @@ impl<C: Clock> Breaker<C> {
     /// Re-arms the breaker, the next probe due after `wait`, if it is still in the half-open
     /// state of `probe` (a compare and swap: a breaker that another call has closed or opened
     /// since is left alone).
+    ///
+    /// With no wait (a probe answered without the backend: the deny cache, a caller's
+    /// mistake) it stays half-open with the next probe due at once: no change of status to
+    /// tell, so a stream of such answers is not logged as the breaker opening each time.
     pub(crate) fn release(&self, probe: u64, wait: Duration) {
         let mut machine = self.machine.lock();
         if machine.state == (BreakerState::HalfOpen { probe }) {
+            if wait.is_zero() {
+                machine.next_probe = Some(self.clock.now());
+                return;
+            }
             let until = self.after(wait);
-            machine.set(BreakerState::Open { until });
+            let change = machine.set(BreakerState::Open { until });
+            drop(machine);
+            self.notify(change);
         }
     }
 
@@ -208,7 +375,9 @@ impl<C: Clock> Breaker<C> {
         if Self::current(&machine, permit)
             && machine.state != (BreakerState::Closed { failures: 0 })
         {
-            machine.set(BreakerState::Closed { failures: 0 });
+            let change = machine.set(BreakerState::Closed { failures: 0 });
+            drop(machine);
+            self.notify(change);
         }
     }
 
@@ -231,7 +400,9 @@ impl<C: Clock> Breaker<C> {
         if open {
             // Saturated: an `open_for` beyond the clock's range never probes.
             let until = self.after(self.open_for);
-            machine.set(BreakerState::Open { until });
+            let change = machine.set(BreakerState::Open { until });
+            drop(machine);
+            self.notify(change);
         }
         open
     }
@@ -317,6 +488,82 @@ mod tests {
         assert_eq!(one.next_probe_in(), None);
     }
 
+    /// The observer hears each change of status once: open, half open, closed, and a probe
+    /// dropped back to open; a failure that does not open it, a success while closed, or a
+    /// probe released without an answer (the next probe due at once) is no change.
+    #[test]
+    fn the_observer_hears_every_change_of_status() {
+        use std::sync::Mutex as StdMutex;
+        let heard = Arc::new(StdMutex::new(Vec::new()));
+        let clock = ManualClock::new();
+        let b = {
+            let heard = Arc::clone(&heard);
+            Breaker::new(clock.clone(), 2, Duration::from_secs(3)).observe(Box::new(move |c| {
+                heard.lock().unwrap().push((c.from, c.to))
+            }))
+        };
+        let b = Arc::new(b);
+        b.success(b.permit());
+        b.failure(b.permit());
+        assert!(heard.lock().unwrap().is_empty());
+        b.failure(b.permit());
+        clock.advance(Duration::from_secs(3));
+        let probe = b.permit();
+        b.success(probe);
+        b.failure(b.permit());
+        b.failure(b.permit());
+        clock.advance(Duration::from_secs(3));
+        // Released without an answer from the backend: still half open, nothing to tell.
+        ProbeGuard::new(Arc::clone(&b), b.permit()).release();
+        drop(ProbeGuard::new(Arc::clone(&b), b.permit()));
+        use BreakerStatus::*;
+        assert_eq!(
+            *heard.lock().unwrap(),
+            [
+                (Closed, Open),
+                (Open, HalfOpen),
+                (HalfOpen, Closed),
+                (Closed, Open),
+                (Open, HalfOpen),
+                (HalfOpen, Open),
+            ]
+        );
+    }
+
+    /// Changes told out of order (each after the lock is released, by racing threads) leave
+    /// the gauge at the latest.
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn the_gauge_keeps_the_latest_change() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let gauge = || {
+            snapshotter
+                .snapshot()
+                .into_vec()
+                .into_iter()
+                .find_map(|(key, _, _, value)| {
+                    (key.key().name() == crate::metrics::BREAKER_STATE).then_some(value)
+                })
+        };
+        metrics::with_local_recorder(&recorder, || {
+            let name: Arc<str> = Arc::from("s");
+            let observe = observer(Role::Store, &name, Duration::from_secs(1));
+            let change = |to, epoch| Change {
+                from: BreakerStatus::HalfOpen,
+                to,
+                epoch,
+            };
+            observe(change(BreakerStatus::Closed, 5));
+            // The opening of epoch 4, told late.
+            observe(change(BreakerStatus::Open, 4));
+            assert_eq!(gauge(), Some(DebugValue::Gauge(0.0.into())));
+            observe(change(BreakerStatus::Open, 6));
+            assert_eq!(gauge(), Some(DebugValue::Gauge(2.0.into())));
+        });
+    }
+
     #[test]
     fn a_released_probe_is_due_at_once_and_a_dropped_one_waits() {
         let (b, clock) = breaker();
@@ -326,7 +573,9 @@ mod tests {
         let mut guard = ProbeGuard::new(Arc::clone(&b), b.permit());
         guard.release();
         drop(guard);
+        assert_eq!(b.status(), BreakerStatus::HalfOpen);
         assert!(matches!(b.permit(), Permit::Probe(2)));
+        assert_eq!(b.permit(), Permit::Refuse, "one probe at a time");
         let guard = ProbeGuard::new(Arc::clone(&b), Permit::Probe(2));
         drop(guard);
         assert_eq!(b.next_probe_in(), Some(Duration::from_secs(3)));

@@ -199,7 +199,9 @@ impl Decision {
 
     /// Of two decisions on one request, the one a client must obey: a rejection over an
     /// admission; between rejections the longer wait; between admissions the smaller
-    /// remainder, then the later reset.
+    /// remainder, then the later reset. Stores pick with the checks' costs instead (see
+    /// [`Store::check_all`](crate::Store::check_all)): between admissions, the fewer further
+    /// requests of the same cost.
     pub fn most_restrictive(self, other: Decision) -> Decision {
         let self_first = match (self.allowed, other.allowed) {
             (false, true) => true,
@@ -212,6 +214,33 @@ impl Decision {
         };
         if self_first { self } else { other }
     }
+}
+
+/// Of two decisions on one request and the costs of their checks, the one a client must obey:
+/// a rejection over an admission; between rejections the longer wait; between admissions the
+/// policy that runs out first for requests like this one (the fewer further requests of this
+/// cost; a check that costs nothing never runs out), then the smaller remainder, then the
+/// later reset. A per-address bucket with 19 left and a search quota with 25 units left, at 5
+/// a search, name the search quota: 5 more searches fit.
+pub(crate) fn tighter(a: (Decision, u64), b: (Decision, u64)) -> (Decision, u64) {
+    let requests = |(d, cost): (Decision, u64)| d.remaining.checked_div(cost).unwrap_or(u64::MAX);
+    let a_first = match (a.0.allowed, b.0.allowed) {
+        (false, true) => true,
+        (true, false) => false,
+        (false, false) => a.0.retry_after >= b.0.retry_after,
+        (true, true) => {
+            (
+                requests(a),
+                a.0.remaining,
+                std::cmp::Reverse(a.0.reset_after),
+            ) <= (
+                requests(b),
+                b.0.remaining,
+                std::cmp::Reverse(b.0.reset_after),
+            )
+        }
+    };
+    if a_first { a } else { b }
 }
 
 const fn saturating_nanos(d: Duration) -> u64 {
@@ -239,6 +268,30 @@ mod tests {
         assert_eq!(tight.most_restrictive(no).index(), 2);
         assert_eq!(no.most_restrictive(longer).index(), 3);
         assert_eq!(longer.most_restrictive(ok).index(), 3);
+    }
+
+    /// With costs, admissions are compared by the requests of that cost that still fit.
+    #[test]
+    fn tighter_counts_requests_of_the_cost() {
+        let per_ip = Decision::admitted(20, 19, Duration::from_secs(1));
+        let search = Decision::admitted(30, 25, Duration::from_secs(60)).with_index(1);
+        assert_eq!(tighter((per_ip, 1), (search, 5)).0.index(), 1);
+        assert_eq!(tighter((search, 5), (per_ip, 1)).0.index(), 1);
+        // Without costs (or equal ones) the smaller remainder, as before.
+        assert_eq!(tighter((per_ip, 1), (search, 1)).0.index(), 0);
+        // A check that costs nothing never runs out.
+        assert_eq!(tighter((search, 0), (per_ip, 1)).0.index(), 0);
+        // Equal requests left: the smaller remainder, then the later reset.
+        let a = Decision::admitted(30, 10, Duration::from_secs(5)).with_index(2);
+        let b = Decision::admitted(30, 11, Duration::from_secs(9)).with_index(3);
+        assert_eq!(tighter((a, 5), (b, 5)).0.index(), 2);
+        let c = Decision::admitted(30, 10, Duration::from_secs(9)).with_index(4);
+        assert_eq!(tighter((a, 5), (c, 5)).0.index(), 4);
+        // Rejections still come first, the longer wait first among them.
+        let no =
+            Decision::rejected(5, 0, Duration::from_secs(5), Duration::from_secs(2)).with_index(5);
+        assert_eq!(tighter((per_ip, 1), (no, 1)).0.index(), 5);
+        assert_eq!(tighter((no, 1), (per_ip, 1)).0.index(), 5);
     }
 
     #[test]

@@ -14,6 +14,8 @@
 //!   refusing early when the service has no capacity left, least important first; [`shape`]:
 //!   [`ShapeLayer`], the leaky bucket as a queue, delaying requests to a constant rate.
 //! - [`algorithm`]: the pure state machines; [`clock`]: time.
+//! - [`telemetry`]: tracing spans and events (feature `tracing`), and `metrics` (feature
+//!   `metrics`): every metric the layers and stores record, in one table.
 //!
 //! ```
 //! use std::time::Duration;
@@ -52,10 +54,18 @@ pub mod http;
 mod inflight;
 pub mod key;
 pub mod limiter;
+#[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
+// Without the feature: only the names, for the no-op handles.
+#[cfg(not(feature = "metrics"))]
+#[allow(dead_code, unreachable_pub)]
+mod metrics;
 mod policy;
 pub mod shape;
 pub mod shed;
 pub mod store;
+pub mod telemetry;
 
 pub use self::http::RateLimitLayer;
 pub use concurrency::ConcurrencyLimitLayer;

@@ -85,3 +85,65 @@ async fn stacked_rules_consume_nothing_on_refusal() {
         "only the three admitted requests"
     );
 }
+
+/// A per-address bucket and a search quota (requests with `x-search`), costing 1 and 5.
+fn ip_and_search<St: tollgate::Store>(store: St) -> RateLimitLayer<St> {
+    RateLimitLayer::builder(store)
+        .rule(
+            Rule::new("per-ip")
+                .key(Header::from_static("x-ip"))
+                .policy(tollgate::Policy::token_bucket(tollgate::Rate::per_second(1), 20).unwrap()),
+        )
+        .rule(
+            Rule::new("search")
+                .key(Header::from_static("x-search"))
+                .on_missing_key(tollgate::limiter::MissingKey::Skip)
+                .cost(5)
+                .policy(window(30)),
+        )
+        .build()
+        .unwrap()
+}
+
+/// `RateLimit` names the policy that runs out first for requests like this one: after one
+/// search, 19 more requests fit the address's bucket but only 5 more searches fit the quota.
+async fn names_the_policy_that_runs_out_first<St: tollgate::Store>(store: St) {
+    let client = ok_client(ip_and_search(store)).await;
+    let searching = [("x-ip", "192.0.2.1"), ("x-search", "all")];
+    let search = client.get_with("/", &searching).await;
+    assert_eq!(search.status, StatusCode::OK);
+    let (name, remaining, _) = search.ratelimit();
+    assert_eq!((name.as_str(), remaining), ("search", 25));
+    // A request of cost 1 elsewhere: only the address's bucket applies.
+    let other = client.get_with("/", &[("x-ip", "192.0.2.1")]).await;
+    assert_eq!(other.ratelimit().0, "per-ip");
+    // Searches until the quota refuses: the field told the truth each time.
+    for left in (0..5).rev() {
+        let search = client.get_with("/", &searching).await;
+        assert_eq!(search.status, StatusCode::OK);
+        assert_eq!(search.ratelimit().0, "search");
+        assert_eq!(search.ratelimit().1, left * 5);
+    }
+    let refused = client.get_with("/", &searching).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.json()["violated-policies"][0], "search");
+}
+
+#[tokio::test]
+async fn ratelimit_names_the_policy_that_runs_out_first_in_memory() {
+    let (store, _clock) = store();
+    names_the_policy_that_runs_out_first(store).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn ratelimit_names_the_policy_that_runs_out_first_on_redis() {
+    let server = redis_or_skip!();
+    let store = tollgate::RedisStore::builder()
+        .url(server.url())
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap();
+    names_the_policy_that_runs_out_first(store).await;
+}

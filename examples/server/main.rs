@@ -89,6 +89,8 @@ pub fn prometheus() -> Result<PrometheusHandle, Box<dyn Error>> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".to_owned()), &buckets)?
         .install_recorder()?;
+    // Units and descriptions: the `# HELP` lines.
+    tollgate::metrics::describe();
     *installed = Some(handle.clone());
     Ok(handle)
 }
@@ -110,7 +112,17 @@ pub async fn app(path: &Path, metrics: PrometheusHandle) -> Result<App, ConfigEr
     let store = config.store().await?;
     let concurrency = store.concurrency_layer(&config, &bindings)?;
     let shed = config.shed_layer(&bindings)?;
-    let (rate_limit, reloader) = config.reloadable_rate_limit_layer(store, bindings)?;
+    let (rate_limit, reloader) = config.reloadable_rate_limit_layer(store.clone(), bindings)?;
+    // The in-process store's size, for its gauge, every few seconds (never per request).
+    if let Some(memory) = store.memory().cloned() {
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                every.tick().await;
+                memory.record_metrics();
+            }
+        });
+    }
 
     let mut api = Router::new()
         .route(
@@ -152,12 +164,13 @@ pub async fn app(path: &Path, metrics: PrometheusHandle) -> Result<App, ConfigEr
 pub fn reload(reloader: &Reloader<ConfiguredStore>, path: &Path, why: &str) -> bool {
     match reloader.reload_file(path) {
         Ok(summary) => {
-            eprintln!("configuration reloaded ({why}): {summary}");
+            tracing::info!(%summary, why, "configuration reloaded");
             true
         }
         Err(errors) => {
-            eprintln!(
-                "configuration refused ({why}); the running one stays:\n{}",
+            tracing::warn!(
+                why,
+                "configuration refused; the running one stays:\n{}",
                 indent(&errors.to_string())
             );
             false
@@ -169,7 +182,8 @@ fn indent(text: &str) -> String {
     text.lines().map(|l| format!("  {l}\n")).collect()
 }
 
-/// Reloads when the file's content changes, checking every `every`; reports each attempt.
+/// Reloads when the file's content changes (and then stays the same for one more check),
+/// checking every `every`; reports each attempt.
 pub async fn watch(
     path: PathBuf,
     reloader: Reloader<ConfiguredStore>,
@@ -177,19 +191,29 @@ pub async fn watch(
     done: mpsc::UnboundedSender<bool>,
 ) {
     let mut last = tokio::fs::read(&path).await.ok();
+    // A change is applied once two reads in a row agree, so that a file caught while an
+    // editor writes it (a prefix can be valid TOML) is not applied. Replacing the file by a
+    // rename is atomic and best.
+    let mut seen: Option<Vec<u8>> = None;
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let now = tokio::fs::read(&path).await.ok();
-        if now.is_some() && now != last {
-            last = now;
-            if done
-                .send(reload(&reloader, &path, "the file changed"))
-                .is_err()
-            {
-                return;
-            }
+        if now.is_none() || now == last {
+            seen = None;
+            continue;
+        }
+        if seen != now {
+            seen = now;
+            continue;
+        }
+        last = seen.take();
+        if done
+            .send(reload(&reloader, &path, "the file changed"))
+            .is_err()
+        {
+            return;
         }
     }
 }
@@ -242,6 +266,13 @@ fn options() -> Result<Options, Box<dyn Error>> {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn Error>> {
+    // Logs to stderr: INFO and up unless RUST_LOG says otherwise (tollgate=debug: every decision).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let options = options()?;
     let metrics = prometheus()?;
     let App { router, reloader } = match app(&options.config, metrics).await {
@@ -267,7 +298,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
     tokio::spawn(async move { while reports.recv().await.is_some() {} });
 
     let listener = tokio::net::TcpListener::bind(options.addr).await?;
-    eprintln!(
+    tracing::info!(
         "listening on http://{} with {} (reloads on SIGHUP and on change)",
         listener.local_addr()?,
         options.config.display()
@@ -403,7 +434,16 @@ mod tests {
         }
         let (status, _, text) = call(&client, addr, "GET", "/metrics", &[]).await;
         assert_eq!(status, StatusCode::OK);
-        let _ = text;
+        for series in [
+            r#"tollgate_decisions_total{rule="login",policy="login",outcome="limited"} 1"#,
+            r#"tollgate_decisions_total{rule="login",policy="",outcome="admitted"} 5"#,
+            r#"tollgate_decisions_total{rule="search",policy="",outcome="no_key"} 1"#,
+            "# HELP tollgate_decisions_total",
+            "tollgate_in_flight{layer=\"shed\"}",
+            "tollgate_shed_limit{layer=\"shed\"}",
+        ] {
+            assert!(text.contains(series), "{series} in\n{text}");
+        }
 
         // SIGHUP with a raised login limit: the next attempt is admitted (a changed policy
         // starts fresh).
@@ -425,6 +465,41 @@ mod tests {
         let (status, ..) = call(&client, addr, "GET", "/", &[]).await;
         assert_eq!(status, StatusCode::OK);
         std::fs::remove_file(&path).ok();
+    }
+
+    /// The alert rules and the dashboard use only metrics tollgate records, with their labels.
+    #[test]
+    fn alerts_and_dashboard_name_documented_metrics() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/server/");
+        let alerts = std::fs::read_to_string(format!("{dir}alerts.yml")).unwrap();
+        let dashboard = std::fs::read_to_string(format!("{dir}grafana.json")).unwrap();
+        serde_json::from_str::<serde_json::Value>(&dashboard).unwrap();
+        let mut used = 0;
+        for text in [&alerts, &dashboard] {
+            for (at, _) in text.match_indices("tollgate_") {
+                let name: String = text[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let base = name.strip_suffix("_bucket").unwrap_or(&name);
+                let metric = tollgate::metrics::ALL.iter().find(|m| m.name == base);
+                assert!(metric.is_some(), "{name} is not a documented metric");
+                // The labels grouped by or matched on are the metric's own.
+                let rest = &text[at + name.len()..];
+                if let Some(selector) = rest.strip_prefix('{') {
+                    let selector = &selector[..selector.find('}').unwrap()];
+                    for matcher in selector.split(',') {
+                        let label = matcher.split(['=', '!', '~']).next().unwrap().trim();
+                        assert!(
+                            metric.unwrap().labels.contains(&label),
+                            "{name}: no label {label:?}"
+                        );
+                    }
+                }
+                used += 1;
+            }
+        }
+        assert!(used > 20);
     }
 
     fn hang_up() {

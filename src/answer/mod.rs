@@ -76,7 +76,8 @@ pub enum HeaderProfile {
     /// `RateLimit-Policy` and `RateLimit` as in draft-ietf-httpapi-ratelimit-headers-10:
     /// `RateLimit-Policy: "per-minute";q=100;w=60` lists every policy that applied (`q` the
     /// limit, `w` the window in seconds, for a bucket the time an empty burst takes to refill)
-    /// and `RateLimit: "per-minute";r=42;t=18` reports the policy closest to exhaustion (`r`
+    /// and `RateLimit: "per-minute";r=42;t=18` reports the policy that runs out first for
+    /// requests like this one (the fewest further requests at their cost) (`r`
     /// what remains, `t` the seconds until it has fully recovered; on a refusal, the seconds
     /// until the request may be retried, so `t` never exceeds `Retry-After`).
     #[default]

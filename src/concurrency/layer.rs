@@ -22,6 +22,10 @@ use crate::key::{Key, MAX_KEY_LEN};
 use crate::limiter::{Matcher, Rule, TierLookup, Tiers, valid_name};
 #[cfg(feature = "redis")]
 use crate::store::FailurePolicy;
+use crate::telemetry::{Counter, Gauge, Histogram};
+
+/// The default name of a [`ConcurrencyLimitLayer`] in metrics and logs.
+pub const DEFAULT_CONCURRENCY_LAYER_NAME: &str = "concurrency";
 
 /// At most so many requests in flight per key, and optionally in all: see the
 /// [module docs](super).
@@ -45,7 +49,13 @@ impl ConcurrencyLimitLayer {
             on_store_error: FailurePolicy::LocalFallback,
             responder: Box::new(DefaultResponder),
             clock: Arc::new(SystemClock::new()),
+            name: DEFAULT_CONCURRENCY_LAYER_NAME.to_owned(),
         }
+    }
+
+    /// The layer's name in metrics and logs (see [`ConcurrencyLimitLayerBuilder::name`]).
+    pub fn name(&self) -> &str {
+        &self.shared.name
     }
 
     /// Requests in flight for `key` under the rule named `rule` (0 for an unknown rule).
@@ -112,6 +122,7 @@ impl<S> Layer<S> for ConcurrencyLimitLayer {
 impl fmt::Debug for ConcurrencyLimitLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ConcurrencyLimitLayer")
+            .field("name", &self.shared.name)
             .field(
                 "rules",
                 &self
@@ -140,6 +151,7 @@ pub struct ConcurrencyLimitLayerBuilder {
     on_store_error: FailurePolicy,
     responder: Box<dyn Responder>,
     clock: Arc<dyn Clock>,
+    name: String,
 }
 
 impl ConcurrencyLimitLayerBuilder {
@@ -246,14 +258,24 @@ impl ConcurrencyLimitLayerBuilder {
         self
     }
 
-    /// The clock that times requests for `Retry-After` (the system's monotonic clock unless
-    /// set; a [`ManualClock`](crate::clock::ManualClock) in tests).
+    /// The layer's name in metrics (the `layer` label) and logs
+    /// ([`DEFAULT_CONCURRENCY_LAYER_NAME`] unless set): give each concurrency layer of a
+    /// process its own.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// The clock that times requests for `Retry-After` and the wait in the queue (the
+    /// system's monotonic clock unless set; a [`ManualClock`](crate::clock::ManualClock) in
+    /// tests).
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
     }
 
-    /// Validates the rules and builds the layer.
+    /// Validates the rules and builds the layer, and registers its metrics (feature
+    /// `metrics`: install the recorder first).
     pub fn build(self) -> Result<ConcurrencyLimitLayer, ConcurrencyError> {
         if self.rules.is_empty() && self.total.is_none() {
             return Err(ConcurrencyError::NothingToLimit);
@@ -304,8 +326,18 @@ impl ConcurrencyLimitLayerBuilder {
                 latency: Latency::default(),
             });
         }
+        let telemetry = Telemetry::new(&self.name, &rules, self.total.is_some(), {
+            #[cfg(feature = "redis")]
+            {
+                self.redis.is_some() && self.on_store_error == FailurePolicy::Closed
+            }
+            #[cfg(not(feature = "redis"))]
+            false
+        });
         Ok(ConcurrencyLimitLayer {
             shared: Arc::new(Shared {
+                name: self.name.into(),
+                telemetry,
                 rules: rules.into(),
                 in_flight: InFlight::new(),
                 total: self.total.map(|max| Total {
@@ -412,8 +444,94 @@ impl fmt::Display for ConcurrencyError {
 
 impl std::error::Error for ConcurrencyError {}
 
+/// The layer's metrics, registered when it is built.
+struct Telemetry {
+    in_flight: Gauge,
+    queue: Histogram,
+    /// Per rule: its keys busy, and requests without a key refused.
+    rules: Box<[[Counter; 2]]>,
+    full: Counter,
+    #[cfg(feature = "redis")]
+    store_down: Counter,
+}
+
+impl Telemetry {
+    fn new(layer: &str, rules: &[KeyedRule], total: bool, store_down: bool) -> Self {
+        #[cfg(not(feature = "redis"))]
+        let _ = store_down;
+        use crate::metrics::{CONCURRENCY_REFUSED_TOTAL, IN_FLIGHT, QUEUE_DURATION_SECONDS};
+        let refused = |rule: &str, reason| {
+            Counter::new(
+                CONCURRENCY_REFUSED_TOTAL,
+                &[("layer", layer), ("rule", rule), ("reason", reason)],
+            )
+        };
+        let optional = |on: bool, reason| {
+            if on {
+                refused("", reason)
+            } else {
+                Counter::noop()
+            }
+        };
+        Telemetry {
+            in_flight: Gauge::new(IN_FLIGHT, &[("layer", layer)]),
+            queue: Histogram::new(QUEUE_DURATION_SECONDS, &[("layer", layer)]),
+            rules: rules
+                .iter()
+                .map(|r| {
+                    let name = &*r.matcher.name;
+                    let no_key = if r.matcher.refuses_without_key() {
+                        refused(name, "no_key")
+                    } else {
+                        Counter::noop()
+                    };
+                    [refused(name, "busy"), no_key]
+                })
+                .collect(),
+            full: optional(total, "full"),
+            #[cfg(feature = "redis")]
+            store_down: optional(store_down, "store_down"),
+        }
+    }
+
+    /// Counts a refusal, and logs it at DEBUG.
+    fn refused(&self, layer: &str, rules: &[KeyedRule], refusal: &Refusal) {
+        let rule = |index: u16| rules.get(usize::from(index)).map(|r| &*r.matcher.name);
+        let (counter, rule, reason) = match refusal {
+            Refusal::Busy { rule: index } => (
+                self.rules.get(usize::from(*index)).map(|c| &c[0]),
+                rule(*index),
+                "busy",
+            ),
+            Refusal::NoKey { rule: index, .. } => (
+                self.rules.get(usize::from(*index)).map(|c| &c[1]),
+                rule(*index),
+                "no_key",
+            ),
+            Refusal::Full => (Some(&self.full), None, "full"),
+            #[cfg(feature = "redis")]
+            Refusal::StoreDown => (Some(&self.store_down), None, "store_down"),
+        };
+        if let Some(counter) = counter {
+            counter.increment(1);
+        }
+        let _ = (layer, rule, reason);
+        crate::telemetry::event!(
+            debug,
+            name: "tollgate.concurrency.refused",
+            layer,
+            rule = rule.unwrap_or(""),
+            reason,
+            "the concurrency limit refused a request"
+        );
+    }
+}
+
 /// What every clone of the layer and its services shares.
 pub(crate) struct Shared {
+    /// The layer's name in metrics and logs.
+    name: Arc<str>,
+    telemetry: Telemetry,
     rules: Box<[KeyedRule]>,
     pub(crate) in_flight: InFlight,
     total: Option<Total>,
@@ -497,7 +615,7 @@ fn tiered_limits(
         .map(|(t, _)| (t.clone(), Vec::new()))
         .collect();
     Ok(TieredLimits {
-        lookup: tiers.into_resolved(u16::try_from(default).unwrap_or(0)),
+        lookup: tiers.into_resolved(rule, u16::try_from(default).unwrap_or(0)),
         limits: limits.into_iter().map(|(_, max)| max).collect(),
     })
 }
@@ -620,6 +738,7 @@ impl Drop for Permit {
         }
         shared.release(&self.held);
         if self.granted {
+            shared.telemetry.in_flight.decrement();
             let elapsed = shared.clock.now().saturating_sub(self.started);
             for place in &self.held {
                 if let Some(rule) = shared.rules.get(usize::from(place.rule)) {
@@ -646,6 +765,7 @@ impl Permit {
     /// The request got every place: it is timed from now on.
     fn grant(mut self) -> Held {
         self.granted = true;
+        self.shared.telemetry.in_flight.increment();
         self.started = self.shared.clock.now();
         Held::Concurrency(self)
     }
@@ -866,6 +986,21 @@ impl Shared {
             }
             _ => None,
         };
+        let since = self.clock.now();
+        let permit = self.wait_for_places(queue, places, refusal).await;
+        self.telemetry
+            .queue
+            .record_nanos(self.clock.now().saturating_sub(since));
+        permit
+    }
+
+    /// Takes the places once they are free, or gives up after the queue's longest wait.
+    async fn wait_for_places(
+        self: &Arc<Self>,
+        queue: &Queue,
+        places: &mut Places,
+        refusal: &mut Refusal,
+    ) -> Option<Permit> {
         let deadline = tokio::time::Instant::now() + queue.max_wait;
         loop {
             let on = match *refusal {
@@ -887,6 +1022,7 @@ impl Shared {
 
     /// The answer to a refused request.
     pub(crate) fn answer(&self, parts: &Parts, refusal: Refusal) -> Response<Bytes> {
+        self.telemetry.refused(&self.name, &self.rules, &refusal);
         let rule = |index: u16| self.rules.get(usize::from(index));
         let (kind, status, rule, retry_after) = match refusal {
             Refusal::Busy { rule: index } => (

@@ -120,7 +120,8 @@ pub(crate) mod table;
 
 pub use crate::inflight::{PermitBody, ResponseFuture};
 pub use layer::{
-    ConcurrencyError, ConcurrencyLimitLayer, ConcurrencyLimitLayerBuilder, MAX_RETRY_AFTER,
+    ConcurrencyError, ConcurrencyLimitLayer, ConcurrencyLimitLayerBuilder,
+    DEFAULT_CONCURRENCY_LAYER_NAME, MAX_RETRY_AFTER,
 };
 pub(crate) use layer::{Permit, bounded};
 pub use service::ConcurrencyLimit;

@@ -21,6 +21,10 @@ pub struct Config {
     pub keys: BTreeMap<String, KeyConfig>,
     /// How refusals and admitted responses are answered.
     pub answers: AnswersConfig,
+    /// What the rate-limit layer's DEBUG decision span shows of keys (feature `tracing`):
+    /// `none` (the default), `hashed` (a short stable hash) or `plain`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trace_keys: Option<KeyTraceConfig>,
     /// The rate-limit rules, in order; every rule that matches a request applies to it.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub rules: Vec<RuleConfig>,
@@ -32,6 +36,19 @@ pub struct Config {
     pub shed: Option<ShedConfig>,
 }
 
+/// [`KeyTrace`](crate::telemetry::KeyTrace), by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum KeyTraceConfig {
+    /// Keys are not shown.
+    None,
+    /// A short stable hash of each key.
+    Hashed,
+    /// The keys themselves (only ever at DEBUG).
+    Plain,
+}
+
 /// Which store, and how it fails.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -39,6 +56,9 @@ pub struct Config {
 pub struct StoreConfig {
     /// `memory` (the default) or `redis`.
     pub kind: StoreKind,
+    /// The `store` label of its metrics (`memory`, or `default` for Redis, unless set).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// In process: the most (key, policy) pairs kept.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_keys: Option<usize>,
@@ -402,6 +422,9 @@ pub struct PlanConfig {
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct ConcurrencyConfig {
+    /// The `layer` label of its metrics (`concurrency` unless set).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// Limits per key.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub rules: Vec<ConcurrencyRuleConfig>,
@@ -468,6 +491,9 @@ pub struct QueueConfig {
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct ShedConfig {
+    /// The `layer` label of its metrics (`shed` unless set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     /// The limit's kind: `fixed`, `vegas` (adaptive, the usual choice) or `aimd`.
     pub limit: ShedLimitKind,
     /// Fixed: the limit; adaptive: where it starts.

@@ -90,6 +90,9 @@ impl Config {
         match s.kind {
             StoreKind::Memory => {
                 let mut b = MemoryStore::builder();
+                if let Some(name) = &s.name {
+                    b = b.name(name.as_str());
+                }
                 if let Some(n) = s.max_keys {
                     b = b.max_keys(n);
                 }
@@ -147,6 +150,9 @@ async fn redis(config: &Config) -> Result<ConfiguredStore, ConfigErrors> {
         .await
         .map_err(|e| ConfigErrors::one("store", format!("could not connect: {e}")))?;
     let mut r = ResilientStore::builder(redis.clone());
+    if let Some(name) = &s.name {
+        r = r.name(name.as_str());
+    }
     if let Some(t) = s.timeout {
         r = r.timeout(t.get());
     }

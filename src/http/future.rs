@@ -18,6 +18,7 @@ use super::layer::Shared;
 use crate::answer::RefusalBody;
 use crate::answer::{FieldValues, HeaderProfile, Rejection, RejectionKind};
 use crate::limiter::{Applied, NoKey, Plan, ShadowPlan, ShadowRejection, Start};
+use crate::telemetry::DecisionSpan;
 use crate::{Decision, Store, StoreError};
 
 /// What a request that waits for an answer (a store that is not in-process, a tier
@@ -27,6 +28,8 @@ pub(crate) struct Pending<S, B, St> {
     parts: Parts,
     body: B,
     inner: S,
+    /// The decision's span (nothing without the `tracing` feature).
+    span: DecisionSpan,
 }
 
 pin_project! {
@@ -153,8 +156,12 @@ where
     #[inline(always)]
     pub(crate) fn call(shared: &Arc<Shared<St>>, inner: &mut S, request: Request<B>) -> Self {
         let (mut parts, body) = request.into_parts();
-        let start = shared.limiter.start(&parts);
-        let state = match shared.started(start, &mut parts) {
+        let span = DecisionSpan::new();
+        let next = span.in_scope(|| {
+            let start = shared.limiter.start(&parts, &span);
+            shared.started(start, &mut parts, &span)
+        });
+        let state = match next {
             Next::Call(fields) => State::Calling {
                 fut: inner.call(Request::from_parts(parts, body)),
                 fields,
@@ -171,6 +178,7 @@ where
                     parts,
                     body,
                     inner: std::mem::replace(inner, clone),
+                    span,
                 });
                 Self::then(next, pending)
             }
@@ -255,8 +263,8 @@ where
                     }
                     None => panic!("ResponseFuture polled after completion"),
                 },
-                StateProj::Checking { check, .. } => {
-                    let result = ready!(check.poll(cx));
+                StateProj::Checking { check, pending, .. } => {
+                    let result = ready!(pending.span.in_scope(|| check.poll(cx)));
                     let StateReplace::Checking {
                         mut pending,
                         applied,
@@ -267,11 +275,13 @@ where
                         unreachable!("the state was just matched")
                     };
                     let p = &mut *pending;
-                    let next = p.shared.decided(result, applied, shadow, &mut p.parts);
+                    let next = p
+                        .shared
+                        .decided(result, applied, shadow, &mut p.parts, &p.span);
                     Self::then(next, pending)
                 }
-                StateProj::Shadowing { check, .. } => {
-                    let result = ready!(check.poll(cx));
+                StateProj::Shadowing { check, pending, .. } => {
+                    let result = ready!(pending.span.in_scope(|| check.poll(cx)));
                     let StateReplace::Shadowing {
                         mut pending,
                         applied,
@@ -283,12 +293,14 @@ where
                         unreachable!("the state was just matched")
                     };
                     let p = &mut *pending;
-                    let rejection = p.shared.shadow_rejection(result, &shadow);
+                    let rejection = p.shared.shadow_rejection(result, &shadow, &p.span);
                     let fields = p.shared.admit(decision, &applied, &mut p.parts, rejection);
                     Self::then(Next::Call(fields), pending)
                 }
-                StateProj::Resolving { answer, .. } => {
-                    let tier = ready!(answer.as_mut().poll(cx));
+                StateProj::Resolving {
+                    answer, pending, ..
+                } => {
+                    let tier = ready!(pending.span.in_scope(|| answer.as_mut().poll(cx)));
                     let StateReplace::Resolving {
                         at,
                         mut plan,
@@ -301,7 +313,10 @@ where
                     let p = &mut *pending;
                     let limiter = &p.shared.limiter;
                     limiter.resolved(&mut plan, at.0, at.1, tier.as_deref());
-                    let next = p.shared.started(limiter.resume(plan), &mut p.parts);
+                    let next = p.span.in_scope(|| {
+                        let start = limiter.resume(plan, &p.span);
+                        p.shared.started(start, &mut p.parts, &p.span)
+                    });
                     Self::then(next, pending)
                 }
                 StateProj::Done => panic!("ResponseFuture polled after completion"),
@@ -324,23 +339,34 @@ where
 impl<St: Store> Shared<St> {
     /// Where a request stands once its rules are planned and the store asked.
     #[inline(always)]
-    fn started(&self, start: Start<St::Future>, parts: &mut Parts) -> Next<St::Future> {
+    fn started(
+        &self,
+        start: Start<St::Future>,
+        parts: &mut Parts,
+        span: &DecisionSpan,
+    ) -> Next<St::Future> {
         match start {
             Start::Checking {
                 check,
                 applied,
                 shadow,
             } => match now(check) {
-                Ok(result) => self.decided(result, applied, shadow, parts),
+                Ok(result) => self.decided(result, applied, shadow, parts, span),
                 Err(check) => Next::Check {
                     check,
                     applied,
                     shadow,
                 },
             },
-            Start::Unchecked { shadow } => self.admitted(None, SmallVec::new(), shadow, parts),
+            Start::Unchecked { shadow } => {
+                span.record("unchecked", None, None, None);
+                self.admitted(None, SmallVec::new(), shadow, parts, span)
+            }
             Start::Resolving { plan, at, answer } => Next::Resolve { plan, at, answer },
-            Start::NoKey(no_key) => Next::Answer(self.no_key(parts, no_key)),
+            Start::NoKey(no_key) => {
+                self.limiter.observe_no_key(no_key, span);
+                Next::Answer(self.no_key(parts, no_key))
+            }
         }
     }
 
@@ -352,9 +378,11 @@ impl<St: Store> Shared<St> {
         applied: SmallVec<[Applied; 4]>,
         shadow: Option<ShadowPlan>,
         parts: &mut Parts,
+        span: &DecisionSpan,
     ) -> Next<St::Future> {
+        self.limiter.observe(&applied, &result, span);
         match result {
-            Ok(d) if d.allowed() => self.admitted(Some(d), applied, shadow, parts),
+            Ok(d) if d.allowed() => self.admitted(Some(d), applied, shadow, parts, span),
             Ok(d) => Next::Answer(self.limited(parts, &d, &applied)),
             Err(e) => Next::Answer(self.unavailable(parts, &e)),
         }
@@ -368,13 +396,14 @@ impl<St: Store> Shared<St> {
         applied: SmallVec<[Applied; 4]>,
         shadow: Option<ShadowPlan>,
         parts: &mut Parts,
+        span: &DecisionSpan,
     ) -> Next<St::Future> {
         let rejection = match shadow {
             None => None,
             Some(shadow) => {
                 let (check, shadow) = self.limiter.check_shadow(&shadow);
                 match now(check) {
-                    Ok(result) => self.shadow_rejection(result, &shadow),
+                    Ok(result) => self.shadow_rejection(result, &shadow, span),
                     Err(check) => {
                         return Next::Shadow {
                             check,
@@ -414,7 +443,9 @@ impl<St: Store> Shared<St> {
         &self,
         result: Result<Decision, StoreError>,
         applied: &[Applied],
+        span: &DecisionSpan,
     ) -> Option<ShadowRejection> {
+        self.limiter.observe_shadow(applied, &result, span);
         match result {
             Ok(d) if !d.allowed() => Some(self.limiter.shadow_rejected(applied, d)),
             _ => None,

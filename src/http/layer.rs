@@ -12,6 +12,7 @@ use super::service::RateLimit;
 use crate::Store;
 use crate::answer::{DefaultResponder, HeaderProfile, ResetFormat, Responder};
 use crate::limiter::{Limiter, LimiterBuilder, LimiterError, Rule, ShadowRejection};
+use crate::telemetry::KeyTrace;
 
 /// The default `Retry-After` of a 503 sent because the store could not decide.
 pub const DEFAULT_UNAVAILABLE_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -28,6 +29,7 @@ pub struct RateLimitLayer<St> {
 
 /// Where a layer's services find the limiter and options: fixed when the layer was built, or
 /// swapped whole by a [`Reloader`](crate::config::Reloader).
+#[cfg_attr(not(feature = "serde"), allow(dead_code))]
 pub(crate) enum Source<St> {
     Fixed(Arc<Shared<St>>),
     Live(Arc<ArcSwap<Shared<St>>>),
@@ -93,6 +95,7 @@ impl<St: Store> RateLimitLayer<St> {
             responder: Arc::new(DefaultResponder),
             unavailable_retry_after: DEFAULT_UNAVAILABLE_RETRY_AFTER,
             decision_extension: true,
+            key_trace: KeyTrace::None,
         }
     }
 
@@ -118,12 +121,18 @@ impl<St: Store> RateLimitLayer<St> {
     }
 
     /// A layer whose limiter and options a reloader swaps, and the cell it swaps.
+    #[cfg_attr(not(feature = "serde"), allow(dead_code))]
     pub(crate) fn live(shared: Shared<St>) -> (Self, Arc<ArcSwap<Shared<St>>>) {
         let cell = Arc::new(ArcSwap::from_pointee(shared));
         let layer = RateLimitLayer {
             source: Source::Live(Arc::clone(&cell)),
         };
         (layer, cell)
+    }
+
+    /// How the decision span shows keys (see [`RateLimitLayerBuilder::trace_keys`]).
+    pub fn key_trace(&self) -> KeyTrace {
+        self.source.current().limiter.key_trace
     }
 }
 
@@ -163,6 +172,7 @@ pub struct RateLimitLayerBuilder<St> {
     responder: Arc<dyn Responder>,
     unavailable_retry_after: Duration,
     decision_extension: bool,
+    key_trace: KeyTrace,
 }
 
 impl<St: Store> RateLimitLayerBuilder<St> {
@@ -200,6 +210,7 @@ impl<St: Store> RateLimitLayerBuilder<St> {
     }
 
     /// The same, shared (a reloader keeps the one it was given).
+    #[cfg_attr(not(feature = "serde"), allow(dead_code))]
     pub(crate) fn shared_responder(mut self, responder: Arc<dyn Responder>) -> Self {
         self.responder = responder;
         self
@@ -220,7 +231,17 @@ impl<St: Store> RateLimitLayerBuilder<St> {
         self
     }
 
-    /// Validates the rules and builds the layer.
+    /// How the DEBUG `tollgate.decision` span shows the keys a request was counted against
+    /// (feature `tracing`): not at all ([`KeyTrace::None`], the default), as a short stable
+    /// hash ([`KeyTrace::Hashed`]) or as they are ([`KeyTrace::Plain`]). Keys never appear
+    /// above DEBUG; see [`telemetry`](crate::telemetry).
+    pub fn trace_keys(mut self, trace: KeyTrace) -> Self {
+        self.key_trace = trace;
+        self
+    }
+
+    /// Validates the rules and builds the layer, and registers its metrics (feature
+    /// `metrics`: install the recorder first).
     pub fn build(self) -> Result<RateLimitLayer<St>, LimiterError> {
         Ok(RateLimitLayer {
             source: Source::Fixed(Arc::new(self.build_shared()?)),
@@ -229,7 +250,8 @@ impl<St: Store> RateLimitLayerBuilder<St> {
 
     /// What the layer's services share, unwrapped.
     pub(crate) fn build_shared(self) -> Result<Shared<St>, LimiterError> {
-        let limiter = self.limiter.build()?;
+        let mut limiter = self.limiter.build()?;
+        limiter.key_trace = self.key_trace;
         Ok(Shared {
             all_policies: all_policies(&limiter),
             limiter,
@@ -247,6 +269,7 @@ impl<St> fmt::Debug for RateLimitLayerBuilder<St> {
         f.debug_struct("RateLimitLayerBuilder")
             .field("limiter", &self.limiter)
             .field("profile", &self.profile)
+            .field("key_trace", &self.key_trace)
             .finish_non_exhaustive()
     }
 }

@@ -11,7 +11,8 @@ use super::rule::{Cost, MissingKey, Route, Rule};
 use super::tier::TierLookup;
 use crate::key::{Key, KeyExtractor, MAX_KEY_LEN};
 use crate::store::{Check, Store};
-use crate::{Decision, MAX_NAME_LEN, Policy};
+use crate::telemetry::{Counter, DecisionSpan, KeyTrace, METRICS};
+use crate::{Decision, MAX_NAME_LEN, Policy, StoreError};
 
 /// The rules of a service over one store, built once and shared (in an `Arc`) by every clone
 /// of the layer that uses it.
@@ -45,6 +46,8 @@ pub struct Limiter<St> {
     pub(crate) observer: Option<Observer>,
     /// One rule with one policy, no tiers and no shadow mode: planned without a [`Plan`].
     single: bool,
+    /// How the decision span shows keys.
+    pub(crate) key_trace: KeyTrace,
 }
 
 pub(crate) type Observer = Arc<dyn Fn(&ShadowRejection) + Send + Sync>;
@@ -69,6 +72,28 @@ impl<St> Limiter<St> {
     /// The names of the rules, in order.
     pub fn rule_names(&self) -> impl Iterator<Item = &str> {
         self.rules.iter().map(|r| &*r.name)
+    }
+
+    /// Takes over the tier caches of `old`'s rules of the same name for which `unchanged`
+    /// says so (a reload that left them as they were asks their resolvers nothing).
+    #[cfg_attr(not(feature = "serde"), allow(dead_code))]
+    pub(crate) fn adopt_tier_caches(
+        &mut self,
+        old: &Limiter<St>,
+        unchanged: impl Fn(&str) -> bool,
+    ) {
+        for rule in self.rules.iter_mut() {
+            let Some(tiers) = &mut rule.tiers else {
+                continue;
+            };
+            if !unchanged(&rule.name) {
+                continue;
+            }
+            let before = old.rules.iter().find(|r| r.name == rule.name);
+            if let Some(before) = before.and_then(|r| r.tiers.as_ref()) {
+                tiers.adopt(before);
+            }
+        }
     }
 }
 
@@ -136,6 +161,7 @@ impl<St: Store> LimiterBuilder<St> {
             rules: compiled.into(),
             observer: self.observer,
             single,
+            key_trace: KeyTrace::None,
         })
     }
 }
@@ -235,6 +261,15 @@ pub(crate) struct CompiledRule {
     /// One set of policies, or one per tier.
     pub(crate) sets: Box<[PolicySet]>,
     tiers: Option<TierLookup>,
+    /// `tollgate_decisions_total` for the requests the rule admitted (for a shadow rule: would
+    /// have), refused without a key, and could not decide.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    admitted: Counter,
+    /// Admissions by the store's failure policy (fail open, or the local fallback): the
+    /// store did not decide.
+    failure_policy: Counter,
+    no_key: Counter,
+    store_error: Counter,
 }
 
 /// A `RateLimit-Policy` value, made when a layer is built and sent on every response.
@@ -292,6 +327,39 @@ pub(crate) struct PolicySet {
     /// This set's members of the `RateLimit-Policy` field, as text and as a header value.
     pub(crate) field: Box<str>,
     pub(crate) field_value: HeaderValue,
+    /// Each policy's counters.
+    pub(crate) metrics: Box<[PolicyMetrics]>,
+}
+
+/// The counters of one policy of one rule, registered when the limiter is built (those its
+/// rule can never use count nothing).
+pub(crate) struct PolicyMetrics {
+    limited: Counter,
+    shadow_limited: Counter,
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    cost: Counter,
+}
+
+impl PolicyMetrics {
+    fn new(rule: &str, policy: &str, shadow: bool) -> Self {
+        use crate::metrics::{COST_CONSUMED_TOTAL, DECISIONS_TOTAL};
+        let decisions = |outcome| {
+            Counter::new(
+                DECISIONS_TOTAL,
+                &[("rule", rule), ("policy", policy), ("outcome", outcome)],
+            )
+        };
+        let (limited, shadow_limited) = if shadow {
+            (Counter::noop(), decisions("shadow_limited"))
+        } else {
+            (decisions("limited"), Counter::noop())
+        };
+        PolicyMetrics {
+            limited,
+            shadow_limited,
+            cost: Counter::new(COST_CONSUMED_TOTAL, &[("rule", rule), ("policy", policy)]),
+        }
+    }
 }
 
 impl CompiledRule {
@@ -300,7 +368,10 @@ impl CompiledRule {
         let (sets, tiers) = match (rule.policies.is_empty(), rule.tiers) {
             (true, None) => return Err(LimiterError::NoPolicy(rule.name)),
             (false, Some(_)) => return Err(LimiterError::PoliciesAndTiers(rule.name)),
-            (false, None) => (vec![PolicySet::new(&name, None, rule.policies)?], None),
+            (false, None) => (
+                vec![PolicySet::new(&name, None, rule.policies, rule.shadow)?],
+                None,
+            ),
             (true, Some(tiers)) => {
                 let invalid = |reason: String| LimiterError::InvalidTiers {
                     rule: rule.name.clone(),
@@ -325,7 +396,12 @@ impl CompiledRule {
                     if policies.is_empty() {
                         return Err(invalid(format!("tier {tier:?} has no policy")));
                     }
-                    sets.push(PolicySet::new(&name, Some(tier), policies.clone())?);
+                    sets.push(PolicySet::new(
+                        &name,
+                        Some(tier),
+                        policies.clone(),
+                        rule.shadow,
+                    )?);
                 }
                 let default = match &tiers.default {
                     None => 0,
@@ -338,11 +414,31 @@ impl CompiledRule {
                         })?,
                 };
                 let default = u16::try_from(default).unwrap_or(0);
-                (sets, Some(tiers.into_resolved(default)))
+                (sets, Some(tiers.into_resolved(&name, default)))
             }
         };
         let methods = super::rule::effective_methods(rule.methods, rule.exact_methods);
+        let decisions = |outcome| {
+            Counter::new(
+                crate::metrics::DECISIONS_TOTAL,
+                &[("rule", &name), ("policy", ""), ("outcome", outcome)],
+            )
+        };
+        let (no_key, store_error) = match (rule.shadow, rule.missing) {
+            (true, _) => (Counter::noop(), Counter::noop()),
+            (false, MissingKey::Reject(_)) => (decisions("no_key"), decisions("store_error")),
+            (false, MissingKey::Skip) => (Counter::noop(), decisions("store_error")),
+        };
+        let failure_policy = if rule.shadow {
+            Counter::noop()
+        } else {
+            decisions("failure_policy")
+        };
         Ok(CompiledRule {
+            admitted: decisions("admitted"),
+            failure_policy,
+            no_key,
+            store_error,
             suffix: format!("@{name}").into(),
             name,
             methods,
@@ -380,7 +476,12 @@ impl fmt::Debug for CompiledRule {
 }
 
 impl PolicySet {
-    fn new(rule: &str, tier: Option<&str>, policies: Vec<Policy>) -> Result<Self, LimiterError> {
+    fn new(
+        rule: &str,
+        tier: Option<&str>,
+        policies: Vec<Policy>,
+        shadow: bool,
+    ) -> Result<Self, LimiterError> {
         let single = policies.len() == 1;
         let names: Box<[Arc<str>]> = policies
             .iter()
@@ -408,7 +509,12 @@ impl PolicySet {
         let field_value = field_value(&field)
             .ok_or_else(|| LimiterError::InvalidRuleName(rule.chars().take(80).collect()))?;
         let items = names.iter().map(|n| format!("\"{n}\";r=").into()).collect();
+        let metrics = names
+            .iter()
+            .map(|n| PolicyMetrics::new(rule, n, shadow))
+            .collect();
         Ok(PolicySet {
+            metrics,
             policies: policies.into(),
             items,
             names,
@@ -438,11 +544,14 @@ pub(crate) struct Plan {
     unresolved: bool,
 }
 
-/// Which rule and policy set an enforced check came from.
+/// Which rule and policy set an enforced check came from (and, for the metrics, its cost
+/// before each policy's limit clamps it).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Applied {
     pub(crate) rule: u16,
     pub(crate) set: u16,
+    #[cfg(feature = "metrics")]
+    pub(crate) cost: u64,
 }
 
 /// Shadow rules waiting for the enforced decision.
@@ -476,6 +585,8 @@ fn applied(planned: &[Planned]) -> SmallVec<[Applied; 4]> {
         out.push(Applied {
             rule: p.rule,
             set: p.set.unwrap_or(0),
+            #[cfg(feature = "metrics")]
+            cost: p.cost,
         });
     }
     out
@@ -494,21 +605,21 @@ impl<St: Store> Limiter<St> {
     /// Plans the request and asks the store about its enforced rules: the decision is made
     /// here (for the in-process store, the future is ready).
     #[inline(always)]
-    pub(crate) fn start(&self, parts: &Parts) -> Start<St::Future> {
+    pub(crate) fn start(&self, parts: &Parts, span: &DecisionSpan) -> Start<St::Future> {
         if self.single {
-            return self.start_single(parts);
+            return self.start_single(parts, span);
         }
         let mut plan = Plan::default();
         if let Err(no_key) = self.fill(parts, &mut plan) {
             return Start::NoKey(no_key);
         }
-        self.proceed(&mut plan)
+        self.proceed(&mut plan, span)
     }
 
     /// [`Limiter::start`] for the one simple rule of a `single` limiter: the same answers,
     /// without building a plan.
     #[inline(always)]
-    fn start_single(&self, parts: &Parts) -> Start<St::Future> {
+    fn start_single(&self, parts: &Parts, span: &DecisionSpan) -> Start<St::Future> {
         let Some(rule) = self.rules.first() else {
             return Start::Unchecked { shadow: None };
         };
@@ -521,26 +632,31 @@ impl<St: Store> Limiter<St> {
             Ok(Some(key)) => bounded(rule, key),
         };
         let policy = &self.set(0, 0).policies[0];
+        let cost = rule.cost.of(parts);
         let mut applied = SmallVec::new();
-        applied.push(Applied { rule: 0, set: 0 });
+        applied.push(Applied {
+            rule: 0,
+            set: 0,
+            #[cfg(feature = "metrics")]
+            cost,
+        });
+        span.record_keys(self.key_trace, std::iter::once(key.as_str()));
         Start::Checking {
-            check: self.store.check(
-                key.as_str(),
-                policy,
-                rule.cost.of(parts).min(policy.limit()),
-            ),
+            check: self
+                .store
+                .check(key.as_str(), policy, cost.min(policy.limit())),
             applied,
             shadow: None,
         }
     }
 
     /// Goes on with a plan whose tier was just resolved.
-    pub(crate) fn resume(&self, mut plan: Box<Plan>) -> Start<St::Future> {
-        self.proceed(&mut plan)
+    pub(crate) fn resume(&self, mut plan: Box<Plan>, span: &DecisionSpan) -> Start<St::Future> {
+        self.proceed(&mut plan, span)
     }
 
     #[inline]
-    fn proceed(&self, plan: &mut Plan) -> Start<St::Future> {
+    fn proceed(&self, plan: &mut Plan, span: &DecisionSpan) -> Start<St::Future> {
         if plan.unresolved {
             if let Some((shadow, i, answer)) = self.next_unresolved(plan) {
                 return Start::Resolving {
@@ -556,6 +672,7 @@ impl<St: Store> Limiter<St> {
         } else {
             Some(std::mem::take(&mut plan.shadow))
         };
+        span.record_keys(self.key_trace, plan.enforced.iter().map(|p| p.key.as_str()));
         let applied = applied(&plan.enforced);
         let check = match plan.enforced.as_slice() {
             [] => return Start::Unchecked { shadow },
@@ -736,6 +853,135 @@ impl<St: Store> Limiter<St> {
             index -= set.names.len();
         }
         None
+    }
+
+    /// The rule, policy set and index in it of check `index` of a stack of `applied` rules.
+    #[inline]
+    fn locate_set(
+        &self,
+        applied: &[Applied],
+        mut index: usize,
+    ) -> Option<(&CompiledRule, &PolicySet, usize)> {
+        for a in applied {
+            let set = self.set(a.rule, a.set);
+            if index < set.policies.len() {
+                return Some((self.rules.get(usize::from(a.rule))?, set, index));
+            }
+            index -= set.policies.len();
+        }
+        None
+    }
+
+    /// Counts an admission by each of the `applied` rules, and what each of their policies
+    /// consumed.
+    #[inline]
+    fn count_admitted(&self, applied: &[Applied]) {
+        #[cfg(feature = "metrics")]
+        for a in applied {
+            if let Some(rule) = self.rules.get(usize::from(a.rule)) {
+                rule.admitted.increment(1);
+            }
+            let set = self.set(a.rule, a.set);
+            for (policy, metrics) in set.policies.iter().zip(set.metrics.iter()) {
+                metrics.cost.increment(a.cost.min(policy.limit()));
+            }
+        }
+        #[cfg(not(feature = "metrics"))]
+        let _ = applied;
+    }
+
+    /// Counts, and records in the decision's span, the enforced rules' decision on a request.
+    #[inline]
+    pub(crate) fn observe(
+        &self,
+        applied: &[Applied],
+        result: &Result<Decision, StoreError>,
+        span: &DecisionSpan,
+    ) {
+        if !METRICS && !span.enabled() {
+            return;
+        }
+        match result {
+            Ok(d) if d.allowed() && !d.reached_backend() => {
+                // Admitted by the failure policy: nothing was consumed from the store.
+                for a in applied {
+                    if let Some(rule) = self.rules.get(usize::from(a.rule)) {
+                        rule.failure_policy.increment(1);
+                    }
+                }
+                let first = applied
+                    .first()
+                    .and_then(|a| self.rules.get(usize::from(a.rule)));
+                span.record("failure_policy", first.map(|r| &*r.name), None, None);
+            }
+            Ok(d) => {
+                let located = self.locate_set(applied, d.index());
+                if d.allowed() {
+                    self.count_admitted(applied);
+                } else if let Some((_, set, i)) = located {
+                    set.metrics[i].limited.increment(1);
+                }
+                if let Some((rule, set, i)) = located {
+                    let outcome = if d.allowed() { "admitted" } else { "limited" };
+                    span.record(
+                        outcome,
+                        Some(&rule.name),
+                        Some(&set.names[i]),
+                        Some(d.remaining()),
+                    );
+                }
+            }
+            Err(_) => {
+                for a in applied {
+                    if let Some(rule) = self.rules.get(usize::from(a.rule)) {
+                        rule.store_error.increment(1);
+                    }
+                }
+                let first = applied
+                    .first()
+                    .and_then(|a| self.rules.get(usize::from(a.rule)));
+                span.record("store_error", first.map(|r| &*r.name), None, None);
+            }
+        }
+    }
+
+    /// Counts, and records in the decision's span, the shadow rules' decision on a request
+    /// the enforced ones admitted.
+    pub(crate) fn observe_shadow(
+        &self,
+        applied: &[Applied],
+        result: &Result<Decision, StoreError>,
+        span: &DecisionSpan,
+    ) {
+        match result {
+            Ok(d) if d.allowed() => self.count_admitted(applied),
+            Ok(d) => {
+                if let Some((rule, set, i)) = self.locate_set(applied, d.index()) {
+                    set.metrics[i].shadow_limited.increment(1);
+                    let _ = (rule, span);
+                    span.in_scope(|| {
+                        crate::telemetry::event!(
+                            debug,
+                            name: "tollgate.shadow_limited",
+                            rule = &*rule.name,
+                            policy = &*set.names[i],
+                            remaining = d.remaining(),
+                            "a shadow rule would have refused the request"
+                        );
+                    });
+                }
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Counts, and records in the decision's span, a refusal for want of a key.
+    pub(crate) fn observe_no_key(&self, no_key: NoKey, span: &DecisionSpan) {
+        let rule = self.rules.get(usize::from(no_key.rule));
+        if let Some(rule) = rule {
+            rule.no_key.increment(1);
+        }
+        span.record("no_key", rule.map(|r| &*r.name), None, None);
     }
 
     /// Records a shadow rule's refusal: the observer, and the value for the request
@@ -953,7 +1199,20 @@ mod tests {
             &*limiter.set(1, 0).field,
             "\"two.0\";q=5;w=60, \"burst\";q=4;w=2"
         );
-        let applied = [Applied { rule: 0, set: 0 }, Applied { rule: 1, set: 0 }];
+        let applied = [
+            Applied {
+                rule: 0,
+                set: 0,
+                #[cfg(feature = "metrics")]
+                cost: 1,
+            },
+            Applied {
+                rule: 1,
+                set: 0,
+                #[cfg(feature = "metrics")]
+                cost: 1,
+            },
+        ];
         assert_eq!(
             limiter.locate(&applied, 2).map(|(r, p)| (r, &**p)),
             Some(("two", "burst"))
@@ -1025,16 +1284,16 @@ mod tests {
         for general in [false, true] {
             let strict = build(reject, general);
             assert_eq!(
-                outcome(strict.start(&request(Method::GET, None))),
+                outcome(strict.start(&request(Method::GET, None), &DecisionSpan::new())),
                 "no key 401 Unauthorized"
             );
             assert_eq!(
-                outcome(strict.start(&request(Method::POST, None))),
+                outcome(strict.start(&request(Method::POST, None), &DecisionSpan::new())),
                 "unchecked true"
             );
             let lenient = build(MissingKey::Skip, general);
             assert_eq!(
-                outcome(lenient.start(&request(Method::GET, None))),
+                outcome(lenient.start(&request(Method::GET, None), &DecisionSpan::new())),
                 "unchecked true"
             );
         }
@@ -1043,8 +1302,14 @@ mod tests {
             let single = build(reject, false);
             let general = build(reject, true);
             let get = || request(Method::GET, Some(key.clone()));
-            assert_eq!(outcome(single.start(&get())), "true 1");
-            assert_eq!(outcome(general.start(&get())), "false 1");
+            assert_eq!(
+                outcome(single.start(&get(), &DecisionSpan::new())),
+                "true 1"
+            );
+            assert_eq!(
+                outcome(general.start(&get(), &DecisionSpan::new())),
+                "false 1"
+            );
         }
     }
 
@@ -1057,7 +1322,7 @@ mod tests {
     }
 
     fn decide(limiter: &Limiter<MemoryStore<crate::clock::ManualClock>>, parts: &Parts) -> String {
-        match limiter.start(parts) {
+        match limiter.start(parts, &DecisionSpan::new()) {
             Start::NoKey(n) => format!("no key {}", n.status.as_u16()),
             Start::Unchecked { .. } => "unchecked".into(),
             Start::Checking { check, .. } => match check.into_inner() {

@@ -260,6 +260,11 @@ impl Matcher {
             && self.route.matches(parts)
     }
 
+    /// Whether the rule refuses a request it finds no key for.
+    pub(crate) fn refuses_without_key(&self) -> bool {
+        matches!(self.missing, MissingKey::Reject(_))
+    }
+
     /// The request's key, `key@rule` (hashed past [`MAX_KEY_LEN`](crate::key::MAX_KEY_LEN),
     /// as the limiter's are); `Ok(None)` when the rule skips a request without a key, `Err`
     /// with the status to refuse it with otherwise.

@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 
 use crate::Policy;
 use crate::clock::{Clock, SystemClock};
+use crate::telemetry::Counter;
 
 /// The default time a resolved tier is remembered.
 pub const DEFAULT_TIER_TTL: Duration = Duration::from_secs(60);
@@ -159,20 +160,29 @@ impl Tiers {
         self
     }
 
-    pub(crate) fn into_resolved(self, default: u16) -> TierLookup {
+    /// The lookup of rule `rule`'s tiers (its name labels the cache's metrics).
+    pub(crate) fn into_resolved(self, rule: &str, default: u16) -> TierLookup {
         let names = self.tiers.iter().map(|(n, _)| n.as_str().into()).collect();
+        let cache_metric = |result| {
+            Counter::new(
+                crate::metrics::TIER_CACHE_TOTAL,
+                &[("rule", rule), ("result", result)],
+            )
+        };
         TierLookup {
+            hits: cache_metric("hit"),
+            misses: cache_metric("miss"),
             resolver: self.resolver,
             names,
             default,
             ttl: u64::try_from(self.ttl.as_nanos()).unwrap_or(u64::MAX),
-            cache: TierCache {
+            cache: Arc::new(TierCache {
                 table: Mutex::new(HashTable::new()),
                 hasher: foldhash::fast::RandomState::default(),
                 capacity: self.capacity,
                 #[cfg(test)]
                 scans: Default::default(),
-            },
+            }),
             clock: self.clock,
         }
     }
@@ -195,15 +205,33 @@ pub(crate) struct TierLookup {
     names: Box<[Box<str>]>,
     default: u16,
     ttl: u64,
-    cache: TierCache,
+    /// Shared with the lookup of the same rule after a reload that left the rule as it was.
+    cache: Arc<TierCache>,
     clock: Arc<dyn Clock>,
+    /// `tollgate_tier_cache_total`, by result.
+    hits: Counter,
+    misses: Counter,
 }
 
 impl TierLookup {
+    /// Takes over the answers `old` has cached (and the clock that times them): for a rule
+    /// that a reload left exactly as it was, so that the reload asks the resolver nothing.
+    pub(crate) fn adopt(&mut self, old: &TierLookup) {
+        if self.names == old.names && self.ttl == old.ttl {
+            self.cache = Arc::clone(&old.cache);
+            self.clock = Arc::clone(&old.clock);
+        }
+    }
+
     /// The remembered tier of a key, if it is still fresh.
     #[inline]
     pub(crate) fn cached(&self, key: &str) -> Option<u16> {
-        self.cache.get(key, self.clock.now())
+        let tier = self.cache.get(key, self.clock.now());
+        match tier {
+            Some(_) => self.hits.increment(1),
+            None => self.misses.increment(1),
+        }
+        tier
     }
 
     /// Asks the resolver.
@@ -322,7 +350,7 @@ mod tests {
             .cache_for(Duration::from_secs(10))
             .cache_capacity(8)
             .clock(clock.clone())
-            .into_resolved(0);
+            .into_resolved("r", 0);
         assert_eq!(tiers.cached("a"), None);
         assert_eq!(tiers.remember("a", Some("pro")), 1);
         assert_eq!(tiers.remember("b", Some("gold")), 0); // unknown: default
@@ -343,7 +371,7 @@ mod tests {
             .cache_for(ttl)
             .cache_capacity(capacity)
             .clock(clock.clone())
-            .into_resolved(0)
+            .into_resolved("r", 0)
     }
 
     #[test]

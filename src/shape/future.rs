@@ -130,6 +130,7 @@ where
                         Ok(decision) if decision.allowed() => {
                             // The departure is the reservation's end: wait until then.
                             let wait = decision.reset_after();
+                            shared.admitted(wait);
                             request.extensions_mut().insert(decision);
                             if wait < MIN_WAIT {
                                 // tokio's timer would round it up to its next tick.

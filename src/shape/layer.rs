@@ -12,7 +12,11 @@ use tower_layer::Layer;
 use super::service::Shape;
 use crate::answer::{DefaultResponder, Rejection, RejectionKind, Responder};
 use crate::limiter::{Matcher, Rule, valid_name};
+use crate::telemetry::{Counter, Histogram};
 use crate::{Decision, Policy, PolicyError, Rate, Store, StoreError};
+
+/// The default name of a [`ShapeLayer`] in metrics and logs.
+pub const DEFAULT_SHAPE_LAYER_NAME: &str = "shape";
 
 /// Delays requests so that they leave at a constant rate per key (the leaky bucket as a
 /// queue): see the [module docs](super).
@@ -37,7 +41,13 @@ impl<St: Store> ShapeLayer<St> {
             rules: Vec::new(),
             responder: Box::new(DefaultResponder),
             unavailable_retry_after: Duration::from_secs(1),
+            name: DEFAULT_SHAPE_LAYER_NAME.to_owned(),
         }
+    }
+
+    /// The layer's name in metrics and logs (see [`ShapeLayerBuilder::name`]).
+    pub fn name(&self) -> &str {
+        &self.shared.name
     }
 }
 
@@ -52,6 +62,7 @@ impl<S, St> Layer<S> for ShapeLayer<St> {
 impl<St> fmt::Debug for ShapeLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ShapeLayer")
+            .field("name", &self.shared.name)
             .field(
                 "rules",
                 &self
@@ -71,6 +82,7 @@ pub struct ShapeLayerBuilder<St> {
     rules: Vec<(Rule, Rate, u64)>,
     responder: Box<dyn Responder>,
     unavailable_retry_after: Duration,
+    name: String,
 }
 
 impl<St: Store> ShapeLayerBuilder<St> {
@@ -89,7 +101,15 @@ impl<St: Store> ShapeLayerBuilder<St> {
         self
     }
 
-    /// Validates the rules and builds the layer.
+    /// The layer's name in metrics (the `layer` label) and logs ([`DEFAULT_SHAPE_LAYER_NAME`]
+    /// unless set): give each shaper of a process its own.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Validates the rules and builds the layer, and registers its metrics (feature
+    /// `metrics`: install the recorder first).
     pub fn build(self) -> Result<ShapeLayer<St>, ShapeError> {
         if self.rules.is_empty() {
             return Err(ShapeError::NoRule);
@@ -110,10 +130,30 @@ impl<St: Store> ShapeLayerBuilder<St> {
             // its new theoretical arrival time, so its wait is the decision's `reset_after`.
             let policy = Policy::gcra(rate, queue)
                 .and_then(|p| p.named(&name))
-                .map_err(|source| ShapeError::Policy { rule: name, source })?;
+                .map_err(|source| ShapeError::Policy {
+                    rule: name.clone(),
+                    source,
+                })?;
+            let matcher = Matcher::new(rule);
+            let refused = |reason| {
+                Counter::new(
+                    crate::metrics::SHAPE_REFUSED_TOTAL,
+                    &[("layer", &self.name), ("rule", &name), ("reason", reason)],
+                )
+            };
+            let refused = [
+                refused("limited"),
+                if matcher.refuses_without_key() {
+                    refused("no_key")
+                } else {
+                    Counter::noop()
+                },
+                refused("store_error"),
+            ];
             rules.push(ShapedRule {
-                matcher: Matcher::new(rule),
+                matcher,
                 policy,
+                refused,
             });
         }
         if let Some(max) = self.store.max_key_len() {
@@ -123,6 +163,11 @@ impl<St: Store> ShapeLayerBuilder<St> {
         }
         Ok(ShapeLayer {
             shared: Arc::new(Shared {
+                queue: Histogram::new(
+                    crate::metrics::QUEUE_DURATION_SECONDS,
+                    &[("layer", &self.name)],
+                ),
+                name: self.name.into(),
                 store: self.store,
                 rules: rules.into(),
                 responder: self.responder,
@@ -199,11 +244,17 @@ pub(crate) struct Shared<St> {
     rules: Box<[ShapedRule]>,
     responder: Box<dyn Responder>,
     unavailable_retry_after: Duration,
+    /// The layer's name in metrics and logs.
+    name: Arc<str>,
+    /// `tollgate_queue_duration_seconds`: the wait of each request admitted.
+    queue: Histogram,
 }
 
 struct ShapedRule {
     matcher: Matcher,
     policy: Policy,
+    /// `tollgate_shape_refused_total`, by reason: limited, no key, store error.
+    refused: [Counter; 3],
 }
 
 /// What the shaper does with a request.
@@ -214,6 +265,34 @@ pub(crate) enum Plan<F> {
     Check { check: F, rule: u16 },
     /// A rule found no key and refuses it.
     Refuse(Response<Bytes>),
+}
+
+impl<St> Shared<St> {
+    /// A request admitted, to leave after `wait`.
+    pub(crate) fn admitted(&self, wait: Duration) {
+        self.queue
+            .record_nanos(u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX));
+    }
+
+    /// Counts a refusal by rule `index` (reason 0: limited, 1: no key, 2: store error), and
+    /// logs it at DEBUG.
+    fn count_refusal(&self, index: usize, reason: usize) {
+        let Some(rule) = self.rules.get(index) else {
+            return;
+        };
+        if let Some(counter) = rule.refused.get(reason) {
+            counter.increment(1);
+        }
+        let _ = &rule.matcher;
+        crate::telemetry::event!(
+            debug,
+            name: "tollgate.shape.refused",
+            layer = &*self.name,
+            rule = &*rule.matcher.name,
+            reason = ["limited", "no_key", "store_error"][reason.min(2)],
+            "the shaper refused a request"
+        );
+    }
 }
 
 impl<St: Store> Shared<St> {
@@ -227,6 +306,7 @@ impl<St: Store> Shared<St> {
                 Ok(Some(key)) => key,
                 Ok(None) => continue,
                 Err(status) => {
+                    self.count_refusal(index, 1);
                     return Plan::Refuse(self.answer(
                         parts,
                         RejectionKind::NoKey,
@@ -255,6 +335,7 @@ impl<St: Store> Shared<St> {
         outcome: Result<Decision, StoreError>,
     ) -> Response<Bytes> {
         let index = usize::from(rule);
+        self.count_refusal(index, if outcome.is_ok() { 0 } else { 2 });
         match outcome {
             Ok(decision) => self.answer(
                 parts,

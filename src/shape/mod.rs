@@ -64,5 +64,5 @@ mod layer;
 mod service;
 
 pub use future::ResponseFuture;
-pub use layer::{ShapeError, ShapeLayer, ShapeLayerBuilder};
+pub use layer::{DEFAULT_SHAPE_LAYER_NAME, ShapeError, ShapeLayer, ShapeLayerBuilder};
 pub use service::Shape;

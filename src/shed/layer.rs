@@ -21,6 +21,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::concurrency::table::InFlight;
 use crate::inflight::{Admitted, Answer, Held};
 use crate::key::{Key, KeyExtractor};
+use crate::telemetry::{Counter, Gauge, Histogram};
 
 /// The default least `Retry-After` of a shed request.
 pub const DEFAULT_SHED_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -28,6 +29,8 @@ pub const DEFAULT_SHED_RETRY_AFTER: Duration = Duration::from_secs(1);
 pub const DEFAULT_SHED_JITTER: Duration = Duration::from_secs(2);
 /// The default share of capacity past which tenants above their fair share are shed first.
 pub const DEFAULT_FAIR_FROM: f64 = 0.8;
+/// The default name of a [`LoadShedLayer`] in metrics and logs.
+pub const DEFAULT_SHED_LAYER_NAME: &str = "shed";
 
 /// Refuses requests early when the service has no capacity left, least important first: see
 /// the [module docs](super).
@@ -56,7 +59,13 @@ impl LoadShedLayer {
             discipline: Discipline::default(),
             codel: (DEFAULT_CODEL_TARGET, DEFAULT_CODEL_INTERVAL),
             deadline: None,
+            name: DEFAULT_SHED_LAYER_NAME.to_owned(),
         }
+    }
+
+    /// The layer's name in metrics and logs (see [`LoadShedLayerBuilder::name`]).
+    pub fn name(&self) -> &str {
+        &self.shared.name
     }
 
     /// The limit now (it moves with an adaptive [`Limit`]).
@@ -106,6 +115,7 @@ impl<S> Layer<S> for LoadShedLayer {
 impl fmt::Debug for LoadShedLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LoadShedLayer")
+            .field("name", &self.shared.name)
             .field("limit", &self.limit())
             .field("in_flight", &self.in_flight())
             .field("queued", &self.queued())
@@ -157,9 +167,17 @@ pub struct LoadShedLayerBuilder {
     discipline: Discipline,
     codel: (Duration, Duration),
     deadline: Option<HeaderName>,
+    name: String,
 }
 
 impl LoadShedLayerBuilder {
+    /// The layer's name in metrics (the `layer` label) and logs ([`DEFAULT_SHED_LAYER_NAME`]
+    /// unless set): give each shedder of a process its own.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
     /// Puts each request in a class ([`Criticality::Critical`] for all unless set): a
     /// closure over the request head, or [`ByHeader`](super::ByHeader).
     pub fn classify(mut self, classifier: impl Classifier) -> Self {
@@ -297,7 +315,8 @@ impl LoadShedLayerBuilder {
         self
     }
 
-    /// Validates the settings and builds the layer.
+    /// Validates the settings and builds the layer, and registers its metrics (feature
+    /// `metrics`: install the recorder first).
     pub fn build(self) -> Result<LoadShedLayer, ShedError> {
         if let Some(err) = self.share_error {
             return Err(err);
@@ -335,8 +354,17 @@ impl LoadShedLayerBuilder {
         };
         let controller = self.limit.controller();
         let limit = controller.limit();
+        let telemetry = Telemetry::new(
+            &self.name,
+            self.utilization.is_some(),
+            self.fair.is_some(),
+            queue.as_ref().map(|q| q.has_deadlines()),
+        );
+        telemetry.limit.set(f64::from(limit));
         Ok(LoadShedLayer {
             shared: Arc::new(Shared {
+                name: self.name.into(),
+                telemetry,
                 limit: AtomicU32::new(limit),
                 controller: Mutex::new(controller),
                 in_flight: AtomicU32::new(0),
@@ -457,8 +485,102 @@ fn whole_secs(d: Duration) -> u64 {
         .min(u64::from(u32::MAX))
 }
 
+/// Why a request was shed: the `reason` label of `tollgate_shed_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reason {
+    /// No room for its class (and no queue to wait in).
+    Capacity,
+    /// The operator's signal said the service is busy.
+    Utilization,
+    /// Its tenant has its fair share.
+    Unfair,
+    /// The queue is full.
+    QueueFull,
+    /// Its client's deadline leaves no time to wait.
+    Deadline,
+    /// It waited in the queue, and its wait ran out.
+    TimedOut,
+}
+
+impl Reason {
+    const ALL: [Reason; 6] = [
+        Reason::Capacity,
+        Reason::Utilization,
+        Reason::Unfair,
+        Reason::QueueFull,
+        Reason::Deadline,
+        Reason::TimedOut,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Reason::Capacity => "capacity",
+            Reason::Utilization => "utilization",
+            Reason::Unfair => "unfair",
+            Reason::QueueFull => "queue_full",
+            Reason::Deadline => "deadline",
+            Reason::TimedOut => "timed_out",
+        }
+    }
+}
+
+/// A request shed: its class, and why.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shed {
+    pub(crate) class: Criticality,
+    pub(crate) reason: Reason,
+}
+
+/// The shedder's metrics, registered when it is built.
+pub(super) struct Telemetry {
+    in_flight: Gauge,
+    limit: Gauge,
+    pub(super) queue: Histogram,
+    /// By class, then by [`Reason`] (those the layer's settings cannot give count nothing).
+    shed: [[Counter; 6]; 4],
+}
+
+impl Telemetry {
+    /// The metrics of a layer named `layer`, with an operator's signal or not, fairness or
+    /// not, and a queue (with deadlines or not) or not.
+    fn new(layer: &str, utilization: bool, fair: bool, queue: Option<bool>) -> Self {
+        use crate::metrics::{IN_FLIGHT, QUEUE_DURATION_SECONDS, SHED_LIMIT, SHED_TOTAL};
+        let possible = |reason| match reason {
+            Reason::Capacity => true,
+            Reason::Utilization => utilization,
+            Reason::Unfair => fair,
+            Reason::QueueFull | Reason::TimedOut => queue.is_some(),
+            Reason::Deadline => queue == Some(true),
+        };
+        Telemetry {
+            in_flight: Gauge::new(IN_FLIGHT, &[("layer", layer)]),
+            limit: Gauge::new(SHED_LIMIT, &[("layer", layer)]),
+            queue: Histogram::new(QUEUE_DURATION_SECONDS, &[("layer", layer)]),
+            shed: Criticality::ALL.map(|class| {
+                Reason::ALL.map(|reason| {
+                    if possible(reason) {
+                        Counter::new(
+                            SHED_TOTAL,
+                            &[
+                                ("layer", layer),
+                                ("class", class.as_str()),
+                                ("reason", reason.as_str()),
+                            ],
+                        )
+                    } else {
+                        Counter::noop()
+                    }
+                })
+            }),
+        }
+    }
+}
+
 /// What every clone of the layer shares.
 pub(crate) struct Shared {
+    /// The layer's name in metrics and logs.
+    name: Arc<str>,
+    pub(super) telemetry: Telemetry,
     /// The controller's limit, read on every request without its lock.
     pub(super) limit: AtomicU32,
     controller: Mutex<Controller>,
@@ -503,6 +625,7 @@ pub(crate) struct Place {
 
 impl Place {
     pub(super) fn new(shared: &Arc<Shared>, tenant: Option<(u64, Key)>) -> Self {
+        shared.telemetry.in_flight.increment();
         Place {
             shared: Arc::clone(shared),
             tenant,
@@ -516,6 +639,7 @@ impl Place {
         self.armed = false;
         self.shared.release_tenant(self.tenant.as_ref());
         self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.shared.telemetry.in_flight.decrement();
     }
 }
 
@@ -524,6 +648,7 @@ impl Drop for Place {
         if self.armed {
             self.shared.release_tenant(self.tenant.as_ref());
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            self.shared.telemetry.in_flight.decrement();
             self.shared.serve_waiters();
         }
     }
@@ -579,6 +704,17 @@ impl Guard {
         let after = controller.limit();
         shared.limit.store(after, Ordering::Relaxed);
         drop(controller);
+        if after != before {
+            shared.telemetry.limit.set(f64::from(after));
+            crate::telemetry::event!(
+                debug,
+                name: "tollgate.shed.limit",
+                layer = &*shared.name,
+                from = before,
+                to = after,
+                "the shedder's limit moved"
+            );
+        }
         if after > before {
             shared.serve_waiters();
         }
@@ -610,13 +746,16 @@ pub(super) enum NoPlace {
 impl Shared {
     /// Admits a request (at once, or after a wait in the queue), or sheds it (the class it was
     /// shed as).
-    pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Criticality> {
+    pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Shed> {
         let class = self.classifier.classify(parts);
         let share = u64::from(self.shares[class.index()]);
         if let Some(signal) = &self.utilization {
             let busy = signal();
             if busy * 1000.0 >= share as f64 {
-                return Err(class);
+                return Err(Shed {
+                    class,
+                    reason: Reason::Utilization,
+                });
             }
         }
         let tenant = self.tenant(parts);
@@ -632,12 +771,18 @@ impl Shared {
             }
             Err(NoPlace::Full | NoPlace::Moved) => match queue {
                 Some(queue) => self.enqueue(queue, parts, class, tenant),
-                None => Err(class),
+                None => Err(Shed {
+                    class,
+                    reason: Reason::Capacity,
+                }),
             },
             Err(NoPlace::Unfair) => {
                 // Its place went back: a request that joined the queue meanwhile may use it.
                 self.serve_waiters();
-                Err(class)
+                Err(Shed {
+                    class,
+                    reason: Reason::Unfair,
+                })
             }
         }
     }
@@ -728,9 +873,19 @@ impl Shared {
         }
     }
 
-    /// The answer to a request shed as `class`.
-    pub(crate) fn refuse(&self, parts: &Parts, class: Criticality) -> Response<Bytes> {
+    /// The answer to a request shed.
+    pub(crate) fn refuse(&self, parts: &Parts, shed: Shed) -> Response<Bytes> {
+        let Shed { class, reason } = shed;
         self.shed[class.index()].fetch_add(1, Ordering::Relaxed);
+        self.telemetry.shed[class.index()][reason as usize].increment(1);
+        crate::telemetry::event!(
+            debug,
+            name: "tollgate.shed",
+            layer = &*self.name,
+            class = class.as_str(),
+            reason = reason.as_str(),
+            "the shedder shed a request"
+        );
         // A draw spread evenly over 0..=jitter.
         let draw = self
             .hasher

@@ -134,8 +134,8 @@ pub use crate::inflight::{PermitBody, ResponseFuture};
 pub use classify::{ByHeader, Classifier, Criticality, UnknownCriticality};
 pub(crate) use layer::Guard;
 pub use layer::{
-    DEFAULT_FAIR_FROM, DEFAULT_SHED_JITTER, DEFAULT_SHED_RETRY_AFTER, LoadShedLayer,
-    LoadShedLayerBuilder, ShedError, ShedStats,
+    DEFAULT_FAIR_FROM, DEFAULT_SHED_JITTER, DEFAULT_SHED_LAYER_NAME, DEFAULT_SHED_RETRY_AFTER,
+    LoadShedLayer, LoadShedLayerBuilder, ShedError, ShedStats,
 };
 pub use limit::Limit;
 pub use queue::{DEFAULT_CODEL_INTERVAL, DEFAULT_CODEL_TARGET, Discipline};

@@ -22,7 +22,7 @@ use tokio::sync::oneshot;
 
 use super::classify::Criticality;
 use super::deadline::parse_timeout;
-use super::layer::{NoPlace, Place, Shared};
+use super::layer::{NoPlace, Place, Reason, Shared, Shed};
 use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::Key;
 
@@ -298,7 +298,8 @@ impl Shared {
         parts: &Parts,
         class: Criticality,
         tenant: Option<(u64, Key)>,
-    ) -> Result<Admitted, Criticality> {
+    ) -> Result<Admitted, Shed> {
+        let shed = |reason| Shed { class, reason };
         let budget = self.budget(queue, parts);
         let mut state = queue.state.lock();
         let now = self.clock.now();
@@ -324,13 +325,16 @@ impl Shared {
             }
             Err(NoPlace::Unfair) => {
                 self.serve(queue, &mut state, now);
-                return Err(class);
+                return Err(shed(Reason::Unfair));
             }
             // No room, or the count kept moving: it waits, and is served as places come back.
             Err(NoPlace::Full | NoPlace::Moved) => {}
         }
-        if budget == 0 || state.waiters.len() >= queue.max {
-            return Err(class);
+        if budget == 0 {
+            return Err(shed(Reason::Deadline));
+        }
+        if state.waiters.len() >= queue.max {
+            return Err(shed(Reason::QueueFull));
         }
         if let (Some(fair), Some((hash, key))) = (&self.fair, &tenant) {
             // Near capacity a tenant may have its fair share in flight and waiting, no more: a
@@ -340,7 +344,7 @@ impl Shared {
             let waiting = state.tenants.get(hash).copied().unwrap_or(0);
             let held = fair.tenants.count(key.as_str()).saturating_add(waiting);
             if held >= self.fair_share(fair, in_flight, limit, key) {
-                return Err(class);
+                return Err(shed(Reason::Unfair));
             }
         }
         let (sender, receiver) = oneshot::channel();
@@ -491,10 +495,21 @@ async fn wait(
     let shared = Arc::clone(&ticket.shared);
     let refuse = {
         let shared = Arc::clone(&shared);
-        Box::new(move |parts: &Parts| shared.refuse(parts, class)) as Refuse
+        let shed = Shed {
+            class,
+            reason: Reason::TimedOut,
+        };
+        Box::new(move |parts: &Parts| shared.refuse(parts, shed)) as Refuse
     };
     let Some(queue) = &shared.queue else {
         return Err(refuse);
+    };
+    // The time it waited, however its wait ends.
+    let record_wait = |now: u64| {
+        shared
+            .telemetry
+            .queue
+            .record_nanos(now.saturating_sub(since))
     };
     loop {
         // Look again at the deadline, or once the request has waited the target (if that is
@@ -517,11 +532,13 @@ async fn wait(
         match outcome {
             Some(Ok(Outcome::Admitted { place, in_flight })) => {
                 ticket.queued = false;
+                record_wait(shared.clock.now());
                 return Ok(Held::Shed(shared.guard(class, place, in_flight)));
             }
             // Shed as the queue turned standing (or the queue let go of it: cannot happen).
             Some(_) => {
                 ticket.queued = false;
+                record_wait(shared.clock.now());
                 queue.timed_out[class.index()].fetch_add(1, Ordering::Relaxed);
                 return Err(refuse);
             }
@@ -538,6 +555,7 @@ async fn wait(
                     queue.remove(&mut state, index);
                     shared.look(queue, &mut state, now);
                     ticket.queued = false;
+                    record_wait(now);
                     queue.timed_out[class.index()].fetch_add(1, Ordering::Relaxed);
                     return Err(refuse);
                 }

@@ -8,5 +8,5 @@ in_flight_service! {
     /// limit and counts.
     LoadShed,
     |shared, parts| admit: shared.admit(parts),
-    refuse: |parts, class| shared.refuse(parts, class),
+    refuse: |parts, shed| shared.refuse(parts, shed),
 }

@@ -15,6 +15,7 @@ use smallvec::SmallVec;
 use super::{Check, NOTHING_TO_CHECK, Store, StoreError};
 use crate::algorithm::{FixedWindow, Gcra, LeakyBucket, SlidingLog, SlidingWindow, TokenBucket};
 use crate::clock::{Clock, SystemClock};
+use crate::telemetry::{Counter, Gauge};
 use crate::{Algorithm, Decision, Policy};
 
 /// The default cap on tracked (key, policy) pairs.
@@ -23,6 +24,8 @@ pub const DEFAULT_MAX_KEYS: usize = 1 << 20;
 pub const DEFAULT_SHARDS: usize = 64;
 /// The default longest key, in bytes.
 pub const DEFAULT_MAX_KEY_LEN: usize = 512;
+/// The default name of a [`MemoryStore`] in metrics.
+pub const DEFAULT_MEMORY_STORE_NAME: &str = "memory";
 
 /// Limiter state in this process's memory.
 ///
@@ -87,6 +90,13 @@ struct Inner<C> {
     shard_cap: usize,
     max_key_len: usize,
     evicted: AtomicU64,
+    /// Its name in metrics.
+    name: Box<str>,
+    /// `tollgate_memory_store_keys`: set where the store counts its pairs anyway (a sweep), or
+    /// when asked ([`MemoryStore::record_metrics`]); never per request.
+    keys: Gauge,
+    /// `tollgate_memory_store_evictions_total`, counted where evictions are.
+    evictions: Counter,
 }
 
 /// One shard on its own cache lines, so that two threads on two shards never share one.
@@ -821,6 +831,7 @@ impl MemoryStore<SystemClock> {
             max_keys: DEFAULT_MAX_KEYS,
             shards: DEFAULT_SHARDS,
             max_key_len: DEFAULT_MAX_KEY_LEN,
+            name: DEFAULT_MEMORY_STORE_NAME.to_owned(),
         }
     }
 }
@@ -911,16 +922,16 @@ impl<C: Clock> MemoryStore<C> {
             .collect();
         let now = inner.clock.now();
 
-        let mut verdict: Option<Decision> = None;
+        let mut verdict: Option<(Decision, u64)> = None;
         for item in &mut items {
             let shard = guard_for(&mut guards, inner.shard_index(item.hash));
             let (decision, update) =
                 with_kept!(item.policy.algorithm(), K => decide_in::<K>(shard, item, now));
             item.update = Some(update);
-            let decision = decision.with_index(item.index);
-            verdict = Some(verdict.map_or(decision, |v| v.most_restrictive(decision)));
+            let decision = (decision.with_index(item.index), item.cost);
+            verdict = Some(verdict.map_or(decision, |v| crate::decision::tighter(v, decision)));
         }
-        let verdict = verdict.unwrap_or(NOTHING_TO_CHECK);
+        let verdict = verdict.map_or(NOTHING_TO_CHECK, |(d, _)| d);
         if !verdict.allowed() {
             return Ok(verdict);
         }
@@ -948,20 +959,42 @@ impl<C: Clock> MemoryStore<C> {
     /// Forgets every pair whose state has fully recovered, and returns how many. Never changes
     /// a decision; the store does it by itself when a shard fills, so calling it is optional
     /// (it returns memory to the allocator sooner after a burst of keys).
+    ///
+    /// With feature `metrics`, it also sets the `tollgate_memory_store_keys` gauge to the pairs
+    /// left (as [`MemoryStore::record_metrics`] does).
     pub fn sweep(&self) -> usize {
         let now = self.inner.clock.now();
-        self.inner
-            .shards
-            .iter()
-            .map(|s| {
-                let mut shard = s.0.lock();
-                let before = shard.len();
-                shard.retain(|expires| expires > now);
-                shard.order.reset();
-                shard.shrink_to_fit(|policy, key| self.inner.hash(policy, key));
-                before - shard.len()
-            })
-            .sum()
+        let (mut forgotten, mut left) = (0, 0);
+        for s in self.inner.shards.iter() {
+            let mut shard = s.0.lock();
+            let before = shard.len();
+            shard.retain(|expires| expires > now);
+            shard.order.reset();
+            shard.shrink_to_fit(|policy, key| self.inner.hash(policy, key));
+            forgotten += before - shard.len();
+            left += shard.len();
+        }
+        self.inner.keys.set(left as f64);
+        forgotten
+    }
+
+    /// Sets the `tollgate_memory_store_keys` gauge to the pairs tracked now (feature
+    /// `metrics`).
+    ///
+    /// The store does not keep that gauge up to date by itself: a count shared by every shard
+    /// would be one more write to a contended cache line on every new key, which is the one
+    /// thing its sharding avoids. Counting takes each shard's lock in turn, briefly, as
+    /// [`MemoryStore::len`] does; call it from the task that scrapes or sweeps, every few
+    /// seconds. Evictions are counted as they happen.
+    #[cfg(feature = "metrics")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    pub fn record_metrics(&self) {
+        self.inner.keys.set(self.len() as f64);
+    }
+
+    /// The store's name in metrics (see [`MemoryStoreBuilder::name`]).
+    pub fn name(&self) -> &str {
+        &self.inner.name
     }
 
     /// How many pairs were forgotten while their state was still live, because the store was
@@ -1071,6 +1104,7 @@ impl<C> Inner<C> {
             let evicted = shard.make_room(self.shard_cap, now, |p, k| self.hash(p, k));
             if evicted > 0 {
                 self.evicted.fetch_add(evicted, Ordering::Relaxed);
+                self.evictions.increment(evicted);
             }
         }
         shard.order.track(Due {
@@ -1099,6 +1133,7 @@ impl<C> Clone for MemoryStore<C> {
 impl<C> fmt::Debug for MemoryStore<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryStore")
+            .field("name", &self.inner.name)
             .field("shards", &self.inner.shards.len())
             .field(
                 "max_keys",
@@ -1131,6 +1166,7 @@ pub struct MemoryStoreBuilder<C = SystemClock> {
     max_keys: usize,
     shards: usize,
     max_key_len: usize,
+    name: String,
 }
 
 impl<C: Clock> MemoryStoreBuilder<C> {
@@ -1141,6 +1177,7 @@ impl<C: Clock> MemoryStoreBuilder<C> {
             max_keys: self.max_keys,
             shards: self.shards,
             max_key_len: self.max_key_len,
+            name: self.name,
         }
     }
 
@@ -1166,7 +1203,15 @@ impl<C: Clock> MemoryStoreBuilder<C> {
         self
     }
 
-    /// Builds the store.
+    /// The store's name in metrics (the `store` label; [`DEFAULT_MEMORY_STORE_NAME`] unless
+    /// set): give each `MemoryStore` of a process whose metrics you read its own.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Builds the store, and registers its metrics (feature `metrics`: install the recorder
+    /// first).
     pub fn build(self) -> MemoryStore<C> {
         let mut shards = self.shards.next_power_of_two();
         while shards > 1 && shards > self.max_keys {
@@ -1182,6 +1227,12 @@ impl<C: Clock> MemoryStoreBuilder<C> {
             shard_cap: self.max_keys.div_ceil(shards),
             max_key_len: self.max_key_len,
             evicted: AtomicU64::new(0),
+            keys: Gauge::new(crate::metrics::MEMORY_STORE_KEYS, &[("store", &self.name)]),
+            evictions: Counter::new(
+                crate::metrics::MEMORY_STORE_EVICTIONS_TOTAL,
+                &[("store", &self.name)],
+            ),
+            name: self.name.into(),
         };
         MemoryStore {
             inner: Arc::new(inner),

@@ -36,7 +36,8 @@ pub mod redis;
 pub mod resilient;
 
 pub use memory::{
-    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_KEYS, DEFAULT_SHARDS, MemoryStore, MemoryStoreBuilder,
+    DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_KEYS, DEFAULT_MEMORY_STORE_NAME, DEFAULT_SHARDS, MemoryStore,
+    MemoryStoreBuilder,
 };
 pub use resilient::{FailurePolicy, ResilientStore};
 
@@ -128,8 +129,11 @@ impl<'a> Check<'a> {
 
 /// Limiter state, in process or shared.
 ///
-/// `check_all` decides every check atomically and returns the most restrictive decision
-/// ([`Decision::most_restrictive`]), whose [`Decision::index`] says which check it came from.
+/// `check_all` decides every check atomically and returns the decision a client must obey,
+/// whose [`Decision::index`] says which check it came from: a rejection (the longest wait)
+/// over any admission, and among admissions the check that runs out first for requests of
+/// their costs (the fewest further requests; then the smallest remainder, then the latest
+/// reset).
 /// When any check rejects, nothing is consumed from any of them. An empty slice is admitted
 /// with `limit` and `remaining` of `u64::MAX`.
 ///

@@ -64,6 +64,7 @@ use tokio::time::Instant;
 use super::{Check, MemoryStore, NOTHING_TO_CHECK, Store, StoreError};
 use crate::breaker::{Breaker, Permit, ProbeGuard};
 use crate::clock::TokioClock;
+use crate::telemetry::{Counter, Histogram, METRICS};
 use crate::{Algorithm, Decision, Policy, Rate};
 
 pub use crate::breaker::BreakerStatus;
@@ -74,6 +75,8 @@ pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_millis(250);
 pub const DEFAULT_BREAKER_FAILURES: u32 = 5;
 /// The default time the breaker stays open before a probe.
 pub const DEFAULT_BREAKER_OPEN_FOR: Duration = Duration::from_secs(1);
+/// The default name of a [`ResilientStore`] in metrics and logs.
+pub const DEFAULT_STORE_NAME: &str = "default";
 
 /// What to answer when the store fails or the breaker is open.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -117,12 +120,63 @@ struct Counters {
     breaker_opened: AtomicU64,
 }
 
+/// The metrics of a store, registered when it is built.
+struct Telemetry {
+    duration: Histogram,
+    /// By [`error_kind`].
+    errors: [Counter; 4],
+    /// The action of the store's failure policy.
+    action: Counter,
+}
+
+/// The `kind` labels of `tollgate_store_errors_total`, in the order of [`error_kind`].
+const ERROR_KINDS: [&str; 4] = ["timeout", "backend", "circuit_open", "invalid"];
+
+/// Which of [`ERROR_KINDS`] an error is.
+fn error_kind(error: &StoreError) -> usize {
+    match error {
+        StoreError::Timeout(_) => 0,
+        StoreError::Backend(_) => 1,
+        StoreError::CircuitOpen => 2,
+        _ => 3,
+    }
+}
+
+impl Telemetry {
+    fn new(store: &str, policy: FailurePolicy) -> Self {
+        use crate::metrics::{
+            STORE_DURATION_SECONDS, STORE_ERRORS_TOTAL, STORE_FAILURE_POLICY_TOTAL,
+        };
+        let action = match policy {
+            FailurePolicy::Open => "fail_open",
+            FailurePolicy::Closed => "fail_closed",
+            FailurePolicy::LocalFallback => "fallback",
+        };
+        Telemetry {
+            duration: Histogram::new(STORE_DURATION_SECONDS, &[("store", store)]),
+            errors: ERROR_KINDS
+                .map(|kind| Counter::new(STORE_ERRORS_TOTAL, &[("store", store), ("kind", kind)])),
+            action: Counter::new(
+                STORE_FAILURE_POLICY_TOTAL,
+                &[("store", store), ("action", action)],
+            ),
+        }
+    }
+
+    fn error(&self, error: &StoreError) {
+        self.errors[error_kind(error)].increment(1);
+    }
+}
+
 /// Called for every call answered by the failure policy (see
 /// [`ResilientStoreBuilder::on_failure`]).
 type FailureHook = Arc<dyn Fn(&StoreError) + Send + Sync>;
 
 struct Shared<S> {
     store: S,
+    /// Its name in metrics and logs.
+    name: Arc<str>,
+    telemetry: Telemetry,
     hook: Option<FailureHook>,
     timeout: Duration,
     policy: FailurePolicy,
@@ -131,7 +185,14 @@ struct Shared<S> {
     instances: u64,
     divided: Mutex<HashMap<u64, Policy>>,
     counters: Counters,
+    /// When the last WARN of a failed call was logged (the breaker's clock, plus one so that
+    /// zero means never): at most one a second, the others at DEBUG. A store that dies fails
+    /// every call in flight at once, and an outage must not flood the log.
+    warned_at: std::sync::atomic::AtomicU64,
 }
+
+/// The least time between two WARNs of failed calls of one store.
+const WARN_EVERY: u64 = 1_000_000_000;
 
 /// A store wrapped in a timeout, a circuit breaker and a [`FailurePolicy`]. Cloning is cheap;
 /// clones share the breaker, the counters and the fallback store.
@@ -150,6 +211,7 @@ impl<S> Clone for ResilientStore<S> {
 impl<S> fmt::Debug for ResilientStore<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResilientStore")
+            .field("name", &self.shared.name)
             .field("timeout", &self.shared.timeout)
             .field("policy", &self.shared.policy)
             .field("breaker", &self.shared.breaker.state())
@@ -176,6 +238,7 @@ impl<S: Store> ResilientStore<S> {
             fallback: None,
             instances: 1,
             hook: None,
+            name: DEFAULT_STORE_NAME.to_owned(),
         }
     }
 
@@ -205,6 +268,11 @@ impl<S> ResilientStore<S> {
         }
     }
 
+    /// The store's name in metrics and logs (see [`ResilientStoreBuilder::name`]).
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
     /// The breaker's state now.
     pub fn breaker_state(&self) -> BreakerStatus {
         self.shared.breaker.status()
@@ -220,6 +288,7 @@ impl<S: Store> ResilientStore<S> {
         let max_key_len = shared.store.max_key_len().unwrap_or(usize::MAX);
         for (index, check) in checks.iter().enumerate() {
             if let Err(e) = check.validate(index, max_key_len) {
+                shared.telemetry.error(&e);
                 return ResilientFuture {
                     inner: Box::pin(std::future::ready(Err(e))),
                 };
@@ -239,6 +308,8 @@ impl<S: Store> ResilientStore<S> {
         };
         // What an admission by the Open policy reports: the tightest limit of the stack.
         let open_limit = checks.iter().map(|c| c.policy().limit()).min();
+        // Timed for the latency histogram only (the clock is read only with metrics).
+        let started = if METRICS { shared.breaker.now() } else { 0 };
         let call = match permit {
             Permit::Refuse => None,
             Permit::Call(_) | Permit::Probe(_) => Some(shared.store.check_all(checks)),
@@ -252,37 +323,48 @@ impl<S: Store> ResilientStore<S> {
                             .counters
                             .short_circuited
                             .fetch_add(1, Ordering::Relaxed);
-                        StoreError::CircuitOpen
+                        let e = StoreError::CircuitOpen;
+                        shared.telemetry.error(&e);
+                        e
                     }
-                    Some(call) => match tokio::time::timeout(shared.timeout, call).await {
-                        Ok(Ok(decision)) if decision.reached_backend() => {
-                            shared.breaker.success(permit);
-                            return Ok(decision);
+                    Some(call) => {
+                        let answer = tokio::time::timeout(shared.timeout, call).await;
+                        if METRICS {
+                            let took = shared.breaker.now().saturating_sub(started);
+                            shared.telemetry.duration.record_nanos(took);
                         }
-                        Ok(Ok(decision)) => {
-                            // Answered without the backend: says nothing of its health.
-                            probe.release();
-                            return Ok(decision);
+                        match answer {
+                            Ok(Ok(decision)) if decision.reached_backend() => {
+                                shared.breaker.success(permit);
+                                return Ok(decision);
+                            }
+                            Ok(Ok(decision)) => {
+                                // Answered without the backend: says nothing of its health.
+                                probe.release();
+                                return Ok(decision);
+                            }
+                            Ok(Err(
+                                e @ (StoreError::CostExceedsLimit { .. }
+                                | StoreError::KeyTooLong { .. }
+                                | StoreError::Unsupported { .. }),
+                            )) => {
+                                // The caller's mistake, not the store's: neither a failure nor
+                                // a success, and no failure policy.
+                                probe.release();
+                                shared.telemetry.error(&e);
+                                return Err(e);
+                            }
+                            Ok(Err(e)) => {
+                                shared.failure(permit, &e);
+                                e
+                            }
+                            Err(_) => {
+                                let e = StoreError::Timeout(shared.timeout);
+                                shared.failure(permit, &e);
+                                e
+                            }
                         }
-                        Ok(Err(
-                            e @ (StoreError::CostExceedsLimit { .. }
-                            | StoreError::KeyTooLong { .. }
-                            | StoreError::Unsupported { .. }),
-                        )) => {
-                            // The caller's mistake, not the store's: neither a failure nor a
-                            // success, and no failure policy.
-                            probe.release();
-                            return Err(e);
-                        }
-                        Ok(Err(e)) => {
-                            shared.failure(permit, matches!(e, StoreError::Timeout(_)));
-                            e
-                        }
-                        Err(_) => {
-                            shared.failure(permit, true);
-                            StoreError::Timeout(shared.timeout)
-                        }
-                    },
+                    }
                 };
                 shared.on_failure(error, &owned, open_limit)
             }),
@@ -291,10 +373,45 @@ impl<S: Store> ResilientStore<S> {
 }
 
 impl<S> Shared<S> {
-    fn failure(&self, permit: Permit, timeout: bool) {
+    /// Whether a failed call may be logged at WARN: the first in a second.
+    fn warn_now(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = self.breaker.now().saturating_add(1);
+        let last = self.warned_at.load(Relaxed);
+        (last == 0 || now.saturating_sub(last) >= WARN_EVERY)
+            && self
+                .warned_at
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_ok()
+    }
+
+    /// A call that reached the store failed with `error`.
+    fn failure(&self, permit: Permit, error: &StoreError) {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
-        if timeout {
+        if matches!(error, StoreError::Timeout(_)) {
             self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
+        }
+        self.telemetry.error(error);
+        if self.warn_now() {
+            crate::telemetry::event!(
+                warn,
+                name: "tollgate.store.failed",
+                parent: None,
+                store = &*self.name,
+                kind = ERROR_KINDS[error_kind(error)],
+                error = %error,
+                "the rate-limit store failed (at most one such WARN a second; the others at DEBUG)"
+            );
+        } else {
+            crate::telemetry::event!(
+                debug,
+                name: "tollgate.store.failed",
+                parent: None,
+                store = &*self.name,
+                kind = ERROR_KINDS[error_kind(error)],
+                error = %error,
+                "the rate-limit store failed"
+            );
         }
         if self.breaker.failure(permit) {
             self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
@@ -310,6 +427,7 @@ impl<S> Shared<S> {
         if let Some(hook) = &self.hook {
             hook(&error);
         }
+        self.telemetry.action.increment(1);
         match self.policy {
             FailurePolicy::Closed => Err(error),
             FailurePolicy::Open => {
@@ -433,11 +551,13 @@ pub struct ResilientStoreBuilder<S> {
     fallback: Option<MemoryStore>,
     instances: u64,
     hook: Option<FailureHook>,
+    name: String,
 }
 
 impl<S> fmt::Debug for ResilientStoreBuilder<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResilientStoreBuilder")
+            .field("name", &self.name)
             .field("timeout", &self.timeout)
             .field("policy", &self.policy)
             .field("threshold", &self.threshold)
@@ -455,6 +575,13 @@ impl<S: Store> ResilientStoreBuilder<S> {
     /// this is every request).
     pub fn on_failure(mut self, hook: impl Fn(&StoreError) + Send + Sync + 'static) -> Self {
         self.hook = Some(Arc::new(hook));
+        self
+    }
+
+    /// The store's name in metrics (the `store` label) and logs ([`DEFAULT_STORE_NAME`]
+    /// unless set): give each `ResilientStore` of a process its own.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
         self
     }
 
@@ -496,23 +623,36 @@ impl<S: Store> ResilientStoreBuilder<S> {
         self
     }
 
-    /// Builds the store.
+    /// Builds the store, and registers its metrics (feature `metrics`: install the recorder
+    /// first).
     pub fn build(self) -> ResilientStore<S> {
+        let name: Arc<str> = self.name.as_str().into();
+        let breaker = Breaker::new(TokioClock::new(), self.threshold, self.open_for);
+        #[cfg(any(feature = "metrics", feature = "tracing"))]
+        let breaker = breaker.observe(crate::breaker::observer(
+            crate::breaker::Role::Store,
+            &name,
+            self.open_for,
+        ));
+        let fallback = self.fallback.unwrap_or_else(|| {
+            MemoryStore::builder()
+                .name(format!("{name}-fallback"))
+                .build()
+        });
         ResilientStore {
             shared: Arc::new(Shared {
+                telemetry: Telemetry::new(&name, self.policy),
+                name,
                 store: self.store,
                 timeout: self.timeout,
                 policy: self.policy,
-                breaker: Arc::new(Breaker::new(
-                    TokioClock::new(),
-                    self.threshold,
-                    self.open_for,
-                )),
-                fallback: self.fallback.unwrap_or_default(),
+                breaker: Arc::new(breaker),
+                fallback,
                 instances: self.instances,
                 hook: self.hook,
                 divided: Mutex::new(HashMap::new()),
                 counters: Counters::default(),
+                warned_at: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -778,7 +918,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_probe_answered_without_the_backend_leaves_the_breaker_open() {
+    async fn a_probe_answered_without_the_backend_leaves_the_next_probe_due() {
         let fake = Fake::default();
         let s = store(&fake, FailurePolicy::Closed);
         let p = policy();
@@ -788,7 +928,8 @@ mod tests {
         fake.set(LOCAL);
         let d = s.check("k", &p, 1).await.unwrap();
         assert!(!d.allowed() && !d.reached_backend());
-        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        // Not closed: still half open (no change to log), the next probe due at once.
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
         // The next call probes at once, alone, and pays one timeout, not one per call.
         fake.set(HANG);
         let started = Instant::now();
@@ -813,7 +954,7 @@ mod tests {
             s.check("k", &p, 1).await,
             Err(StoreError::CostExceedsLimit { .. })
         ));
-        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
         fake.set(OK);
         assert!(s.check("k", &p, 1).await.unwrap().allowed());
         assert_eq!(s.breaker_state(), BreakerStatus::Closed);
@@ -1063,7 +1204,8 @@ mod tests {
         assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
         calls.abort_all();
         assert!(calls.join_next().await.unwrap().unwrap_err().is_cancelled());
-        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        // Open for `open_for`, here zero: the next probe is due at once.
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
         fake.set(OK);
         assert!(s.check("k", &p, 1).await.unwrap().allowed());
         assert_eq!(s.breaker_state(), BreakerStatus::Closed);

@@ -99,6 +99,7 @@ impl CircuitBreakerLayer {
             open_for: DEFAULT_OUTBOUND_OPEN_FOR,
             classify: Box::new(Outcome::of),
             responder: Box::new(DefaultResponder),
+            name: crate::client::retry::DEFAULT_CLIENT_NAME.to_owned(),
         }
     }
 }
@@ -163,11 +164,13 @@ pub struct CircuitBreakerLayerBuilder<C = TokioClock> {
     open_for: Duration,
     classify: Classify,
     responder: Box<dyn Responder>,
+    name: String,
 }
 
 impl<C> fmt::Debug for CircuitBreakerLayerBuilder<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CircuitBreakerLayerBuilder")
+            .field("name", &self.name)
             .field("failures", &self.failures)
             .field("open_for", &self.open_for)
             .finish_non_exhaustive()
@@ -210,18 +213,33 @@ impl<C: Clock> CircuitBreakerLayerBuilder<C> {
             open_for: self.open_for,
             classify: self.classify,
             responder: self.responder,
+            name: self.name,
         }
     }
 
-    /// Builds the layer.
+    /// The breaker's name in metrics (the `client` label) and logs
+    /// ([`DEFAULT_CLIENT_NAME`](crate::client::retry::DEFAULT_CLIENT_NAME) unless set): give
+    /// each outbound breaker of a process its own.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Builds the layer, and registers its metrics (feature `metrics`: install the recorder
+    /// first).
     pub fn build(self) -> CircuitBreakerLayer<C> {
+        // A probe unanswered for `open_for` (at least a second) lets another go.
+        let breaker = Breaker::new(self.clock, self.failures, self.open_for)
+            .probe_timeout(self.open_for.max(Duration::from_secs(1)));
+        #[cfg(any(feature = "metrics", feature = "tracing"))]
+        let breaker = breaker.observe(crate::breaker::observer(
+            crate::breaker::Role::Client,
+            &self.name.as_str().into(),
+            self.open_for,
+        ));
         CircuitBreakerLayer {
             shared: Arc::new(Shared {
-                // A probe unanswered for `open_for` (at least a second) lets another go.
-                breaker: Arc::new(
-                    Breaker::new(self.clock, self.failures, self.open_for)
-                        .probe_timeout(self.open_for.max(Duration::from_secs(1))),
-                ),
+                breaker: Arc::new(breaker),
                 classify: self.classify,
                 responder: self.responder,
                 counters: Counters::default(),

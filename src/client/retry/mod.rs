@@ -143,8 +143,8 @@ pub use budget::RetryBudget;
 pub use future::ResponseFuture;
 pub use layer::RetryLayer;
 pub use policy::{
-    GaveUp, GiveUp, IDEMPOTENCY_KEY, Jitter, RetryConfigError, RetryPolicy, RetryPolicyBuilder,
-    RetryStats,
+    DEFAULT_CLIENT_NAME, GaveUp, GiveUp, IDEMPOTENCY_KEY, Jitter, RetryConfigError, RetryPolicy,
+    RetryPolicyBuilder, RetryStats,
 };
 #[cfg(feature = "reqwest")]
 #[cfg_attr(docsrs, doc(cfg(feature = "reqwest")))]

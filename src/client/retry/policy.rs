@@ -13,6 +13,7 @@ use super::random::Rng;
 use crate::answer::GRPC_STATUS;
 use crate::client::{RetryHint, ServerHints};
 use crate::clock::{Clock, TokioClock};
+use crate::telemetry::Counter;
 
 /// `Idempotency-Key`: a request that carries it may be retried whatever its method.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -166,7 +167,27 @@ struct Shared {
     rng: Rng,
     clock: TokioClock,
     stats: Counters,
+    /// Its name in metrics.
+    name: Box<str>,
+    /// `tollgate_client_retries_total`.
+    retries: Counter,
+    /// `tollgate_client_gave_up_total`, in the order of [`GIVE_UP_REASONS`].
+    gave_up: [Counter; 6],
 }
+
+/// The `reason` labels of `tollgate_client_gave_up_total`.
+const GIVE_UP_REASONS: [&str; 6] = [
+    "attempts",
+    "deadline",
+    "budget",
+    "stop",
+    "not_replayable",
+    "inner",
+];
+
+/// The default name of a [`RetryPolicy`], a `CircuitBreakerLayer` and an
+/// `AdaptiveThrottleLayer` in metrics and logs.
+pub const DEFAULT_CLIENT_NAME: &str = "default";
 
 #[derive(Clone, Debug)]
 struct Config {
@@ -201,6 +222,7 @@ pub struct RetryPolicyBuilder {
     idempotent_when: Option<IdempotentWhen>,
     budget: Option<RetryBudget>,
     seed: Option<u64>,
+    name: String,
 }
 
 /// One request's progress through its attempts.
@@ -255,7 +277,13 @@ impl RetryPolicy {
             idempotent_when: None,
             budget: Some(RetryBudget::default()),
             seed: None,
+            name: DEFAULT_CLIENT_NAME.to_owned(),
         }
+    }
+
+    /// The policy's name in metrics (see [`RetryPolicyBuilder::name`]).
+    pub fn name(&self) -> &str {
+        &self.shared.name
     }
 
     /// What the policy has done so far.
@@ -380,20 +408,22 @@ impl RetryPolicy {
         attempts.retries += 1;
         attempts.last_wait = wait;
         self.shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+        self.shared.retries.increment(1);
         Next::Retry(wait)
     }
 
     fn give_up(&self, reason: GiveUp) -> Next {
         let c = &self.shared.stats;
-        let counter = match reason {
-            GiveUp::Attempts => &c.attempts,
-            GiveUp::Deadline => &c.deadline,
-            GiveUp::Budget => &c.budget,
-            GiveUp::Stop => &c.stop,
-            GiveUp::NotReplayable => &c.not_replayable,
-            GiveUp::Inner => &c.inner,
+        let (counter, index) = match reason {
+            GiveUp::Attempts => (&c.attempts, 0),
+            GiveUp::Deadline => (&c.deadline, 1),
+            GiveUp::Budget => (&c.budget, 2),
+            GiveUp::Stop => (&c.stop, 3),
+            GiveUp::NotReplayable => (&c.not_replayable, 4),
+            GiveUp::Inner => (&c.inner, 5),
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        self.shared.gave_up[index].increment(1);
         Next::GiveUp(reason)
     }
 
@@ -449,6 +479,7 @@ impl Default for RetryPolicy {
 impl fmt::Debug for RetryPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryPolicy")
+            .field("name", &self.shared.name)
             .field("config", &self.shared.config)
             .field("budget", &self.shared.budget)
             .field("stats", &self.stats())
@@ -459,6 +490,7 @@ impl fmt::Debug for RetryPolicy {
 impl fmt::Debug for RetryPolicyBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryPolicyBuilder")
+            .field("name", &self.name)
             .field("config", &self.config)
             .field("idempotent_when", &self.idempotent_when.is_some())
             .field("budget", &self.budget)
@@ -565,6 +597,13 @@ impl RetryPolicyBuilder {
         self
     }
 
+    /// The policy's name in metrics (the `client` label; [`DEFAULT_CLIENT_NAME`] unless set):
+    /// give each policy of a process its own.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
     /// Seeds the random waits, for repeatable tests. Default: a random seed.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
@@ -590,8 +629,18 @@ impl RetryPolicyBuilder {
     }
 
     fn build_unchecked(self) -> RetryPolicy {
+        use crate::metrics::{CLIENT_GAVE_UP_TOTAL, CLIENT_RETRIES_TOTAL};
+        let name = self.name.as_str();
         RetryPolicy {
             shared: Arc::new(Shared {
+                retries: Counter::new(CLIENT_RETRIES_TOTAL, &[("client", name)]),
+                gave_up: GIVE_UP_REASONS.map(|reason| {
+                    Counter::new(
+                        CLIENT_GAVE_UP_TOTAL,
+                        &[("client", name), ("reason", reason)],
+                    )
+                }),
+                name: self.name.into(),
                 config: self.config,
                 idempotent_when: self.idempotent_when,
                 budget: self.budget,

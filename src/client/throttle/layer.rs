@@ -17,6 +17,7 @@ use super::service::AdaptiveThrottle;
 use super::window::{Window, WindowCounts};
 use crate::answer::{DefaultResponder, RejectionKind, Responder};
 use crate::clock::{Clock, TokioClock};
+use crate::telemetry::Counter;
 
 /// The default multiplier `K`: the backend may refuse up to half of the requests before the
 /// client refuses any itself (Google SRE's recommendation).
@@ -62,6 +63,7 @@ impl AdaptiveThrottleLayer {
             max_backends: None,
             seed: None,
             responder: Box::new(DefaultResponder),
+            name: crate::client::retry::DEFAULT_CLIENT_NAME.to_owned(),
         }
     }
 }
@@ -173,11 +175,13 @@ pub struct AdaptiveThrottleLayerBuilder<C = TokioClock> {
     max_backends: Option<usize>,
     seed: Option<u64>,
     responder: Box<dyn Responder>,
+    name: String,
 }
 
 impl<C> fmt::Debug for AdaptiveThrottleLayerBuilder<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AdaptiveThrottleLayerBuilder")
+            .field("name", &self.name)
             .field("k", &self.k)
             .field("window", &self.window)
             .field("retry_after", &self.retry_after)
@@ -240,10 +244,20 @@ impl<C: Clock> AdaptiveThrottleLayerBuilder<C> {
             max_backends: self.max_backends,
             seed: self.seed,
             responder: self.responder,
+            name: self.name,
         }
     }
 
-    /// Validates the settings and builds the layer.
+    /// The throttle's name in metrics (the `client` label;
+    /// [`DEFAULT_CLIENT_NAME`](crate::client::retry::DEFAULT_CLIENT_NAME) unless set): give
+    /// each throttle of a process its own.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Validates the settings and builds the layer, and registers its metrics (feature
+    /// `metrics`: install the recorder first).
     pub fn build(self) -> Result<AdaptiveThrottleLayer<C>, ThrottleError> {
         if !(1.0..=MAX_K).contains(&self.k) {
             return Err(ThrottleError::InvalidK(self.k));
@@ -285,6 +299,10 @@ impl<C: Clock> AdaptiveThrottleLayerBuilder<C> {
                 windows: Mutex::new(windows),
                 requests: AtomicU64::new(0),
                 throttled: AtomicU64::new(0),
+                throttled_metric: Counter::new(
+                    crate::metrics::CLIENT_THROTTLED_TOTAL,
+                    &[("client", &self.name)],
+                ),
             }),
         })
     }
@@ -323,6 +341,8 @@ pub(crate) struct Shared<C> {
     windows: Mutex<Windows>,
     requests: AtomicU64,
     throttled: AtomicU64,
+    /// `tollgate_client_throttled_total`.
+    throttled_metric: Counter,
 }
 
 impl<C: Clock> Shared<C> {
@@ -359,6 +379,7 @@ impl<C: Clock> Shared<C> {
         let refused = self.with_window(key, |w| w.request(now, draw, self.k_milli));
         if refused {
             self.throttled.fetch_add(1, Ordering::Relaxed);
+            self.throttled_metric.increment(1);
         }
         refused
     }

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use parking_lot::Mutex;
 
 use crate::Decision;
+use crate::telemetry::Counter;
 
 const SHARDS: usize = 16;
 
@@ -28,6 +29,8 @@ pub(crate) struct DenyCache {
     shards: Box<[Mutex<HashMap<u64, Entry>>]>,
     per_shard: usize,
     max_age: u64,
+    /// `tollgate_deny_cache_hits_total`.
+    hits: Counter,
 }
 
 impl DenyCache {
@@ -36,6 +39,7 @@ impl DenyCache {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             per_shard: capacity.div_ceil(SHARDS).max(1),
             max_age,
+            hits: Counter::new(crate::metrics::DENY_CACHE_HITS_TOTAL, &[]),
         }
     }
 
@@ -56,6 +60,8 @@ impl DenyCache {
             return None;
         }
         let d = e.decision;
+        drop(shard);
+        self.hits.increment(1);
         let waited = now.saturating_sub(e.at);
         Some(
             Decision::from_nanos(

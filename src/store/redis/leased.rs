@@ -955,17 +955,17 @@ impl Shared {
             return Ok(plan);
         }
         if steps.iter().all(|s| matches!(s, Step::Local(_))) {
-            let mut decision: Option<Decision> = None;
+            let mut decision: Option<(Decision, u64)> = None;
             for s in &steps {
                 if let Step::Local(l) = s {
                     self.counted_local(l);
-                    decision = Some(match decision {
-                        None => l.decision,
-                        Some(d) => d.most_restrictive(l.decision),
-                    });
+                    let this = (l.decision, l.units);
+                    decision = Some(decision.map_or(this, |d| crate::decision::tighter(d, this)));
                 }
             }
-            return Ok(Plan::Local(decision.unwrap_or(super::NOTHING_TO_CHECK)));
+            return Ok(Plan::Local(
+                decision.map_or(super::NOTHING_TO_CHECK, |(d, _)| d),
+            ));
         }
         if steps.iter().all(|s| matches!(s, Step::Direct)) {
             return Ok(Plan::Direct);
@@ -1132,12 +1132,12 @@ impl Shared {
         if !admitted {
             self.put_back(&locals);
         }
-        let mut decisions: SmallVec<[Decision; 4]> = SmallVec::new();
+        let mut decisions: SmallVec<[(Decision, u64); 4]> = SmallVec::new();
         for l in &locals {
             if admitted {
                 self.counted_local(l);
             }
-            decisions.push(l.decision);
+            decisions.push((l.decision, l.units));
         }
         let mut answered: SmallVec<[usize; 2]> = SmallVec::new();
         for item in taken.items {
@@ -1158,7 +1158,7 @@ impl Shared {
                 }
                 self.install(f, Some((&item, taken.sent, admitted)), extra);
             }
-            decisions.push(d);
+            decisions.push((d, item.cost));
         }
         // A fetch without an answer (the deny cache answered) takes nothing.
         for f in fetches.iter().filter(|f| !answered.contains(&f.index)) {
@@ -1167,11 +1167,12 @@ impl Shared {
         if !admitted {
             return Ok(taken.decision);
         }
-        decisions.sort_by_key(Decision::index);
+        // In the order of the checks, folded as the other stores fold them.
+        decisions.sort_by_key(|(d, _)| d.index());
         Ok(decisions
             .into_iter()
-            .reduce(Decision::most_restrictive)
-            .unwrap_or(taken.decision))
+            .reduce(crate::decision::tighter)
+            .map_or(taken.decision, |(d, _)| d))
     }
 
     /// Ends a fetch: installs `extra` units of `answer`'s lease (its item, when its call was

@@ -843,6 +843,8 @@ pub(crate) struct Taken {
 #[derive(Debug)]
 pub(crate) struct TakenItem {
     pub(crate) index: usize,
+    /// The check's cost.
+    pub(crate) cost: u64,
     /// Its decision, for what it consumed (`granted` when admitted).
     pub(crate) decision: Decision,
     /// What it consumed: 0 unless the whole call was admitted.
@@ -1065,6 +1067,7 @@ impl Inner {
                 });
                 items.push(TakenItem {
                     index: it.index,
+                    cost: it.cost,
                     decision: a.decision,
                     granted: if answer.admitted { a.granted } else { 0 },
                     ticket,
@@ -1093,7 +1096,7 @@ impl Inner {
         answers: impl IntoIterator<Item = (&'b Answer, SmallVec<[&'a Item; 4]>)>,
     ) -> Decision {
         let now = self.local.now();
-        let mut decisions: SmallVec<[Decision; 4]> = SmallVec::new();
+        let mut decisions: SmallVec<[(Decision, u64); 4]> = SmallVec::new();
         for (answer, items) in answers {
             for (a, item) in answer.decisions.iter().zip(items) {
                 let d = a.decision;
@@ -1102,15 +1105,15 @@ impl Inner {
                         deny.insert(item.deny_hash, item.cost, call.sent, now, d);
                     }
                 }
-                decisions.push(d);
+                decisions.push((d, item.cost));
             }
         }
         // In the order of the checks, as the in-process store folds them (ties keep the first).
-        decisions.sort_by_key(Decision::index);
+        decisions.sort_by_key(|(d, _)| d.index());
         decisions
             .into_iter()
-            .reduce(Decision::most_restrictive)
-            .unwrap_or(NOTHING_TO_CHECK)
+            .reduce(crate::decision::tighter)
+            .map_or(NOTHING_TO_CHECK, |(d, _)| d)
     }
 
     /// The items grouped by slot, in the order `consume_across_slots` answers them (one group
