@@ -295,6 +295,11 @@ fn main() {
             if margin >= 0 { "holds" } else { "BROKEN" }
         );
         println!("(without leases, against B + r·(T + longest decision): {margin_plain} under)");
+        let capacity = (tight.limit() as f64 + f.secs * 200_000.0) / f.secs;
+        println!(
+            "admitted under the exceeded limit: {:.0}/s with leases, of the {capacity:.0}/s the bucket could give (B + r·T over the row)",
+            f.admitted as f64 / f.secs
+        );
         println!(
             "100k keys never hot: {:.0}/s with leases, {:.0}/s without ({:+.1}%)",
             spread_leased.per_sec,

@@ -381,7 +381,8 @@ struct Shared {
 ///
 /// Each instance counts the demand (units asked) per key and policy over spans of
 /// [`lease_span`](LeasedStoreBuilder::lease_span) (default 10 ms) in a small fixed array of
-/// counters, so keys that are not hot cost one atomic add and no memory. A key whose demand
+/// counters, so a key that is not hot costs a lookup and an atomic add, and no memory. A key
+/// whose demand
 /// in one span reaches [`hot_threshold`](LeasedStoreBuilder::hot_threshold) (default 8 units)
 /// becomes hot: it gets an entry (at most
 /// [`max_hot_keys`](LeasedStoreBuilder::max_hot_keys)) and its next check takes a lease. The
@@ -398,6 +399,11 @@ struct Shared {
 /// - at least the request's cost. The request that takes the lease is part of it: it asks for
 ///   `k` and is admitted from it. If `k` does not fit but the request does, the script takes
 ///   as much as fits (`take.lua`): a lease never turns an admission into a rejection.
+///
+/// One lease call per key is out at a time on an instance, so an instance admits at most
+/// `share · limit` per round trip on one key: a bucket whose burst is small next to its rate
+/// times a round trip (a burst of 20 000 at 200 000/s is 100 ms of rate, and a 10 % lease
+/// 10 ms) needs a larger share, or it leaves refill unused when Redis is slow.
 ///
 /// When half of what an instance holds for a key is spent, it takes the next lease in the
 /// background, so the local path rarely runs dry. One lease call per key is in flight at a
