@@ -34,7 +34,7 @@ pub const DEFAULT_MAX_HOT_KEYS: usize = 4096;
 
 const SHARDS: usize = 16;
 /// Demand counters for keys that are not hot (yet): a count per span, by hash.
-const SKETCH_SLOTS: usize = 4096;
+const SKETCH_SLOTS: usize = 16_384;
 const SKETCH_COUNT_BITS: u32 = 24;
 const SKETCH_COUNT_MAX: u64 = (1 << SKETCH_COUNT_BITS) - 1;
 
