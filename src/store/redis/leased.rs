@@ -688,10 +688,7 @@ impl LeasedStore {
     pub fn check_all(&self, checks: &[Check<'_>]) -> LeasedFuture {
         let shared = &self.shared;
         let leasable = |c: &Check<'_>| c.cost() > 0 && kind(c.policy().algorithm()).is_some();
-        if !checks.iter().any(leasable)
-            || shared.closed.load(Ordering::Acquire)
-            || tokio::runtime::Handle::try_current().is_err()
-        {
+        if !checks.iter().any(leasable) || shared.closed.load(Ordering::Acquire) {
             return LeasedFuture::redis(shared.redis.check_all(checks));
         }
         self.decide(checks, true)
@@ -708,10 +705,16 @@ impl LeasedStore {
             Ok(Plan::Local(d)) => LeasedFuture::ready(Ok(d)),
             Ok(Plan::Ask(ask)) => {
                 let shared = Arc::clone(shared);
-                LeasedFuture::spawned(tokio::spawn(async move {
+                let call = async move {
                     let taken = ask.future.await;
                     shared.finish(taken, ask.locals, ask.fetches)
-                }))
+                };
+                // In a task of its own, so that the leases' bookkeeping ends even if the
+                // caller drops this future.
+                match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => LeasedFuture::spawned(runtime.spawn(call)),
+                    Err(_) => LeasedFuture::boxed(call),
+                }
             }
             Ok(Plan::Wait(mut done)) => {
                 let owned: Vec<(Box<str>, usize, Policy, u64)> = checks
@@ -870,17 +873,14 @@ impl Shared {
         )
     }
 
+    /// What to do with a stack. Checks are validated where a key becomes hot (so a hot key's
+    /// checks are valid but for their cost, which a lease never covers beyond the limit);
+    /// others are the Redis store's to refuse.
     fn plan(self: &Arc<Self>, checks: &[Check<'_>], may_wait: bool) -> Result<Plan, StoreError> {
-        let max_key_len = self.redis.inner.max_key_len;
         // The same (key, policy) twice in one stack is one check of the summed cost, as the
         // Redis store merges it.
         let mut merged: SmallVec<[(Check<'_>, usize); 4]> = SmallVec::new();
         for (index, check) in checks.iter().enumerate() {
-            check.validate(index, max_key_len)?;
-            supports(check.policy(), index).map_err(|e| StoreError::Unsupported {
-                index,
-                reason: e.to_string(),
-            })?;
             match merged
                 .iter_mut()
                 .find(|(c, _)| c.policy().id() == check.policy().id() && c.key() == check.key())
@@ -919,13 +919,18 @@ impl Shared {
             self.returns.lock().append(&mut effects.returns);
         }
         for (check, fetch, want) in effects.prefetch {
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                // Nowhere to take it in the background: the next check that runs dry will.
+                self.install(&fetch, None, 0);
+                continue;
+            };
             let future = self.redis.take(&[Wanted {
                 check: check.with_cost(0),
                 index: 0,
                 want,
             }]);
             let shared = Arc::clone(self);
-            tokio::spawn(async move {
+            runtime.spawn(async move {
                 let taken = future.await;
                 shared.finish(taken, SmallVec::new(), [fetch].into_iter().collect())
             });
@@ -1077,6 +1082,12 @@ impl Shared {
         let span = now / config.span.max(1);
         let demand = self.bump(hash, span, cost);
         if demand < config.hot || table.len() >= config.per_shard {
+            return Step::Direct;
+        }
+        // A check Redis would refuse (a key too long, a policy out of its bounds) stays cold.
+        let valid = check.validate(index, self.redis.inner.max_key_len).is_ok()
+            && supports(check.policy(), index).is_ok();
+        if !valid {
             return Step::Direct;
         }
         let entry = Entry {
