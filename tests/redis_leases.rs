@@ -704,15 +704,16 @@ async fn on_a_cluster_stacks_across_slots_stay_exact() {
     let global = Arc::new(Policy::gcra(Rate::per_minute(1), 10_000).unwrap());
     let per_user = Arc::new(Policy::fixed_window(3, Duration::from_secs(86_400)).unwrap());
     let mut admitted = 0;
-    // 200 at once: a bucket keeps at most 256 pending refunds (beyond, a consumption is not
-    // refunded: an over-rejection, which this test would count as a loss).
-    for round in 0..3 {
-        let tasks: Vec<_> = (0..200)
+    // 100 at once: a bucket keeps at most 256 pending refunds (beyond, a consumption is not
+    // refunded: an over-rejection, which this test would count as a loss); with 200 at once
+    // on a loaded machine, refunds of leases and of stacks together passed that now and then.
+    for round in 0..6 {
+        let tasks: Vec<_> = (0..100)
             .map(|i| {
                 let store = if i % 2 == 0 { a.clone() } else { b.clone() };
                 let (global, per_user) = (Arc::clone(&global), Arc::clone(&per_user));
                 tokio::spawn(async move {
-                    let user = format!("user:{round}:{}", i % 50);
+                    let user = format!("user:{round}:{}", i % 25);
                     let checks = [
                         Check::new("global", &global, 1),
                         Check::new(&user, &per_user, 1),
@@ -727,7 +728,7 @@ async fn on_a_cluster_stacks_across_slots_stay_exact() {
             }
         }
     }
-    // Three per user, fifty users a round (each asks four times).
+    // Three per user, 25 users a round (each asks four times).
     assert_eq!(admitted, 3 * 150);
     let (sa, sb) = (a.stats(), b.stats());
     assert!(sa.leases + sb.leases > 0, "the global key leased");
@@ -735,9 +736,9 @@ async fn on_a_cluster_stacks_across_slots_stay_exact() {
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
     let d = a.redis().check("global", &global, 0).await.unwrap();
-    let left = d.remaining() - (10_000 - admitted);
+    let left = i128::from(d.remaining()) - (10_000 - i128::from(admitted));
     assert!(
-        left <= 1,
+        (0..=1).contains(&left),
         "refunds gave back exactly the rest ({left} more)"
     );
 }
