@@ -1,8 +1,8 @@
 //! The HTTP layer's own cost per request, in process (no sockets): an axum hello-world router
 //! called with `oneshot`, bare, with tollgate's layer (in-process store, per-IP key, a limit
 //! nobody reaches, the IETF fields on every response) and with tower_governor's
-//! `GovernorLayer`, each both under `Router::layer` and wrapped around the router, all in the
-//! same run.
+//! `GovernorLayer` (without headers, and with its `use_headers`), each both under
+//! `Router::layer` and wrapped around the router, all in the same run.
 //!
 //! ```sh
 //! cargo bench --bench http --features axum
@@ -15,7 +15,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use apps::{governor, hello, limited, static_fields};
+use apps::{governor, governor_with_headers, hello, limited, static_fields};
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use criterion::{Criterion, criterion_group};
@@ -129,20 +129,20 @@ fn apps() -> Vec<(&'static str, Box<dyn App>)> {
         ("axum + a no-op layer", app(hello().layer(noop))),
         (
             "tollgate",
-            app(hello().layer(limited(HeaderProfile::Ietf, true))),
-        ),
-        (
-            "tollgate, no decision ext.",
             app(hello().layer(limited(HeaderProfile::Ietf, false))),
         ),
         (
-            "tollgate, no fields/ext.",
+            "tollgate + decision ext.",
+            app(hello().layer(limited(HeaderProfile::Ietf, true))),
+        ),
+        (
+            "tollgate, no fields",
             app(hello().layer(limited(HeaderProfile::Off, false))),
         ),
         ("tower_governor", app(hello().layer(governor()))),
         (
             "tollgate around router",
-            app(around(limited(HeaderProfile::Ietf, true))),
+            app(around(limited(HeaderProfile::Ietf, false))),
         ),
         (
             "tower_governor around rtr",
@@ -158,18 +158,28 @@ fn apps() -> Vec<(&'static str, Box<dyn App>)> {
         ),
         (
             "tollgate around, IPv6 peer",
-            Box::new(Svc(around(limited(HeaderProfile::Ietf, true)), PEER6)),
+            Box::new(Svc(around(limited(HeaderProfile::Ietf, false)), PEER6)),
         ),
         (
-            "tollgate around, no f./ext.",
+            "tollgate around, no fields",
             app(around(limited(HeaderProfile::Off, false))),
         ),
         ("trivial service", app(trivial())),
         (
             "trivial + tollgate",
             app(ServiceBuilder::new()
-                .layer(limited(HeaderProfile::Ietf, true))
+                .layer(limited(HeaderProfile::Ietf, false))
                 .service(trivial())),
+        ),
+        (
+            "tower_governor + headers",
+            app(hello().layer(governor_with_headers())),
+        ),
+        (
+            "tower_gov. + headers around",
+            app(ServiceBuilder::new()
+                .layer(governor_with_headers())
+                .service(hello().into_service::<Body>())),
         ),
     ]
 }

@@ -354,6 +354,7 @@ async fn handlers_read_the_decision() {
                 .key(PeerIp::new())
                 .policy(Policy::fixed_window(5, Duration::from_secs(30)).unwrap()),
         )
+        .decision_extension(true)
         .build()
         .unwrap();
     let app = Router::new()

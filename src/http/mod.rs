@@ -2,10 +2,12 @@
 //! front of any tower HTTP service (axum, tonic, hyper) and answers with what clients
 //! understand.
 //!
-//! - **Admitted** requests reach the inner service with their [`Decision`](crate::Decision)
-//!   in the request extensions, and the response gains the IETF `RateLimit-Policy` and
-//!   `RateLimit` fields (or the legacy `X-RateLimit-*` trio, or both, or none: see
-//!   [`HeaderProfile`]).
+//! - **Admitted** requests reach the inner service, and the response gains the IETF
+//!   `RateLimit-Policy` and `RateLimit` fields (or the legacy `X-RateLimit-*` trio, or both,
+//!   or none: see [`HeaderProfile`]). Handlers that want the [`Decision`](crate::Decision)
+//!   itself (in axum, `Extension<Decision>`) turn on
+//!   [`decision_extension(true)`](RateLimitLayerBuilder::decision_extension): it is off by
+//!   default, since it costs an allocation per request.
 //! - **Refused** requests never reach it: `429 Too Many Requests` with `Retry-After`,
 //!   `Cache-Control: no-store` and an RFC 9457 `application/problem+json` body; a store that
 //!   cannot decide gives `503` with `Retry-After`; a gRPC request gets HTTP 200 with
