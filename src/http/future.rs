@@ -458,12 +458,13 @@ impl<St: Store> Shared<St> {
         if self.profile == HeaderProfile::Off {
             return None;
         }
-        let item = self.limiter.item(applied, decision.index())?;
+        let (policy, status) = self.limiter.status(applied, decision.index())?;
         Some(FieldValues::new(
             self.profile,
             self.reset,
             decision,
-            item,
+            policy,
+            status,
             || self.policy_field(applied),
         ))
     }

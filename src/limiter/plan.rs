@@ -9,6 +9,7 @@ use smallvec::SmallVec;
 
 use super::rule::{Cost, MissingKey, Route, Rule};
 use super::tier::TierLookup;
+use crate::answer::StatusField;
 use crate::key::{Key, KeyExtractor, MAX_KEY_LEN};
 use crate::store::{Check, Store};
 use crate::telemetry::{Counter, DecisionSpan, KeyTrace, METRICS};
@@ -297,8 +298,8 @@ pub(crate) struct PolicySet {
     pub(crate) policies: Box<[Policy]>,
     /// The name of each policy in the `RateLimit` fields and problem details.
     pub(crate) names: Box<[Arc<str>]>,
-    /// The start of each policy's `RateLimit` item: `"name";r=`.
-    pub(crate) items: Box<[Box<str>]>,
+    /// Each policy's `RateLimit` values (`"name";r=R;t=T`).
+    pub(crate) statuses: Box<[StatusField]>,
     /// This set's members of the `RateLimit-Policy` field, as text and as a header value.
     pub(crate) field: Box<str>,
     pub(crate) field_value: HeaderValue,
@@ -477,7 +478,11 @@ impl PolicySet {
         }
         let field_value = field_value(&field)
             .ok_or_else(|| LimiterError::InvalidRuleName(rule.chars().take(80).collect()))?;
-        let items = names.iter().map(|n| format!("\"{n}\";r=").into()).collect();
+        let statuses = names
+            .iter()
+            .zip(&policies)
+            .map(|(n, p)| StatusField::new(n, p))
+            .collect();
         let metrics = names
             .iter()
             .map(|n| PolicyMetrics::new(rule, n, shadow))
@@ -485,7 +490,7 @@ impl PolicySet {
         Ok(PolicySet {
             metrics,
             policies: policies.into(),
-            items,
+            statuses,
             names,
             field: field.into(),
             field_value,
@@ -788,15 +793,20 @@ impl<St: Store> Limiter<St> {
         &rule.sets[usize::from(set).min(rule.sets.len() - 1)]
     }
 
-    /// The start of the `RateLimit` item of check `index` of a stack of `applied` rules.
+    /// The policy of check `index` of a stack of `applied` rules, and its `RateLimit` values.
     #[inline]
-    pub(crate) fn item(&self, applied: &[Applied], mut index: usize) -> Option<&str> {
+    pub(crate) fn status(
+        &self,
+        applied: &[Applied],
+        mut index: usize,
+    ) -> Option<(&Policy, &StatusField)> {
         for a in applied {
             let set = self.set(a.rule, a.set);
-            if index < set.items.len() {
-                return Some(&set.items[index]);
+            if let (Some(policy), Some(status)) = (set.policies.get(index), set.statuses.get(index))
+            {
+                return Some((policy, status));
             }
-            index -= set.items.len();
+            index -= set.policies.len();
         }
         None
     }
