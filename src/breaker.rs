@@ -75,6 +75,7 @@ impl Machine {
         Some(Change {
             from: status(from),
             to: status(state),
+            epoch: self.epoch,
         })
     }
 }
@@ -92,6 +93,9 @@ fn status(state: BreakerState) -> BreakerStatus {
 pub(crate) struct Change {
     pub(crate) from: BreakerStatus,
     pub(crate) to: BreakerStatus,
+    /// The epoch the change started: observers told out of order (each is told after the
+    /// lock is released) keep the latest by it.
+    pub(crate) epoch: u64,
 }
 
 /// Told of every change of status, after the breaker's lock is released (for metrics and
@@ -142,19 +146,25 @@ pub(crate) fn observer(role: Role, name: &Arc<str>, open_for: Duration) -> Obser
     let to = ["closed", "half_open", "open"]
         .map(|to| Counter::new(transitions, &[(label, name), ("to", to)]));
     let name = Arc::clone(name);
+    // The epoch of the change the gauge shows: a change told late (its thread was preempted
+    // between releasing the lock and telling) must not overwrite a later one.
+    let shown = std::sync::atomic::AtomicU64::new(0);
     Box::new(move |change: Change| {
         let index = match change.to {
             BreakerStatus::Closed => 0,
             BreakerStatus::HalfOpen => 1,
             BreakerStatus::Open => 2,
         };
-        gauge.set(index as f64);
+        if shown.fetch_max(change.epoch, std::sync::atomic::Ordering::AcqRel) < change.epoch {
+            gauge.set(index as f64);
+        }
         to[index].increment(1);
         let _ = (&name, open_for);
         match (role, change.to) {
             (Role::Store, BreakerStatus::Open) => event!(
                 warn,
                 name: "tollgate.breaker.opened",
+                parent: None,
                 store = &*name,
                 open_for = ?open_for,
                 "the store's circuit breaker opened: calls take the failure policy without asking it"
@@ -168,12 +178,14 @@ pub(crate) fn observer(role: Role, name: &Arc<str>, open_for: Duration) -> Obser
             (Role::Store, BreakerStatus::Closed) => event!(
                 info,
                 name: "tollgate.breaker.closed",
+                parent: None,
                 store = &*name,
                 "the store's circuit breaker closed: the store answers again"
             ),
             (Role::Client, BreakerStatus::Open) => event!(
                 warn,
                 name: "tollgate.client.breaker.opened",
+                parent: None,
                 client = &*name,
                 open_for = ?open_for,
                 "the outbound circuit breaker opened: calls are refused without reaching the backend"
@@ -187,6 +199,7 @@ pub(crate) fn observer(role: Role, name: &Arc<str>, open_for: Duration) -> Obser
             (Role::Client, BreakerStatus::Closed) => event!(
                 info,
                 name: "tollgate.client.breaker.closed",
+                parent: None,
                 client = &*name,
                 "the outbound circuit breaker closed: the backend answers again"
             ),
@@ -328,9 +341,17 @@ impl<C: Clock> Breaker<C> {
     /// Re-arms the breaker, the next probe due after `wait`, if it is still in the half-open
     /// state of `probe` (a compare and swap: a breaker that another call has closed or opened
     /// since is left alone).
+    ///
+    /// With no wait (a probe answered without the backend: the deny cache, a caller's
+    /// mistake) it stays half-open with the next probe due at once: no change of status to
+    /// tell, so a stream of such answers is not logged as the breaker opening each time.
     pub(crate) fn release(&self, probe: u64, wait: Duration) {
         let mut machine = self.machine.lock();
         if machine.state == (BreakerState::HalfOpen { probe }) {
+            if wait.is_zero() {
+                machine.next_probe = Some(self.clock.now());
+                return;
+            }
             let until = self.after(wait);
             let change = machine.set(BreakerState::Open { until });
             drop(machine);
@@ -468,8 +489,8 @@ mod tests {
     }
 
     /// The observer hears each change of status once: open, half open, closed, and a probe
-    /// released back to open; a failure that does not open it, or a success while closed, is
-    /// no change.
+    /// dropped back to open; a failure that does not open it, a success while closed, or a
+    /// probe released without an answer (the next probe due at once) is no change.
     #[test]
     fn the_observer_hears_every_change_of_status() {
         use std::sync::Mutex as StdMutex;
@@ -492,6 +513,8 @@ mod tests {
         b.failure(b.permit());
         b.failure(b.permit());
         clock.advance(Duration::from_secs(3));
+        // Released without an answer from the backend: still half open, nothing to tell.
+        ProbeGuard::new(Arc::clone(&b), b.permit()).release();
         drop(ProbeGuard::new(Arc::clone(&b), b.permit()));
         use BreakerStatus::*;
         assert_eq!(
@@ -507,6 +530,40 @@ mod tests {
         );
     }
 
+    /// Changes told out of order (each after the lock is released, by racing threads) leave
+    /// the gauge at the latest.
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn the_gauge_keeps_the_latest_change() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let gauge = || {
+            snapshotter
+                .snapshot()
+                .into_vec()
+                .into_iter()
+                .find_map(|(key, _, _, value)| {
+                    (key.key().name() == crate::metrics::BREAKER_STATE).then_some(value)
+                })
+        };
+        metrics::with_local_recorder(&recorder, || {
+            let name: Arc<str> = Arc::from("s");
+            let observe = observer(Role::Store, &name, Duration::from_secs(1));
+            let change = |to, epoch| Change {
+                from: BreakerStatus::HalfOpen,
+                to,
+                epoch,
+            };
+            observe(change(BreakerStatus::Closed, 5));
+            // The opening of epoch 4, told late.
+            observe(change(BreakerStatus::Open, 4));
+            assert_eq!(gauge(), Some(DebugValue::Gauge(0.0.into())));
+            observe(change(BreakerStatus::Open, 6));
+            assert_eq!(gauge(), Some(DebugValue::Gauge(2.0.into())));
+        });
+    }
+
     #[test]
     fn a_released_probe_is_due_at_once_and_a_dropped_one_waits() {
         let (b, clock) = breaker();
@@ -516,7 +573,9 @@ mod tests {
         let mut guard = ProbeGuard::new(Arc::clone(&b), b.permit());
         guard.release();
         drop(guard);
+        assert_eq!(b.status(), BreakerStatus::HalfOpen);
         assert!(matches!(b.permit(), Permit::Probe(2)));
+        assert_eq!(b.permit(), Permit::Refuse, "one probe at a time");
         let guard = ProbeGuard::new(Arc::clone(&b), Permit::Probe(2));
         drop(guard);
         assert_eq!(b.next_probe_in(), Some(Duration::from_secs(3)));

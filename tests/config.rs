@@ -1,6 +1,8 @@
 //! The configuration file: every error path, round trips, layers from a file and from code,
 //! and reload (state kept, bad files refused, no request lost under load).
 
+mod support;
+
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -602,14 +604,443 @@ fn absurd_keys_are_refused() {
         "{errors}"
     );
     assert!(errors.paths().contains(&"keys.wide.of"), "{errors}");
-    // A diamond 8 deep with 16 parts a level: built once per name, so at once.
+    // A diamond 8 deep with 16 parts a level: built once per name, but each request would run
+    // 16^7 extractors; refused, as is a name given twice.
     let mut text = String::from("keys.k0 = { kind = \"peer_ip\" }\n");
     for level in 1..8 {
-        let parts = vec![format!("\"k{}\"", level - 1); 16].join(", ");
-        text.push_str(&format!(
-            "keys.k{level} = {{ kind = \"any_of\", of = [{parts}] }}\n"
-        ));
+        let parts = (0..16)
+            .map(|i| format!("\"k{}-{i}\"", level - 1))
+            .collect::<Vec<_>>()
+            .join(", ");
+        for i in 0..16 {
+            text.push_str(&format!(
+                "keys.\"k{level}-{i}\" = {{ kind = \"any_of\", of = [{parts}] }}\n"
+            ));
+        }
+        for i in 0..16 {
+            if level == 1 {
+                text.push_str(&format!("keys.\"k0-{i}\" = {{ kind = \"peer_ip\" }}\n"));
+            }
+        }
     }
-    text.push_str("[[rules]]\nname = \"r\"\nkey = \"k7\"\npolicies = [{ algorithm = \"gcra\", rate = \"1/s\" }]\n");
+    let errors = Config::from_toml(&text).unwrap_err();
+    assert!(
+        errors.to_string().contains("more than 32 extractors"),
+        "{errors}"
+    );
+    let twice = Config::from_toml(
+        "keys.p = { kind = \"peer_ip\" }\nkeys.h = { kind = \"header\", header = \"x\" }\n\
+         keys.a = { kind = \"any_of\", of = [\"h\", \"p\", \"h\"] }\n",
+    )
+    .unwrap_err();
+    assert_eq!(twice.paths(), ["keys.a.of[2]"]);
+    // Within the bound: 4 x 8 extractors.
+    let text = "keys.p = { kind = \"peer_ip\" }\n".to_owned()
+        + &(0..8)
+            .map(|i| format!("keys.h{i} = {{ kind = \"header\", header = \"x-{i}\" }}\n"))
+            .collect::<String>()
+        + "keys.eight = { kind = \"any_of\", of = [\"h0\", \"h1\", \"h2\", \"h3\", \"h4\", \"h5\", \"h6\", \"h7\"] }\n"
+        + "keys.e2 = { kind = \"all_of\", of = [\"eight\", \"p\"] }\n"
+        + "keys.wide = { kind = \"any_of\", of = [\"eight\", \"e2\", \"p\"] }\n";
     Config::from_toml(&text).unwrap();
+}
+
+/// The paths of the problems of every other section: tiers, the store, the overload layers.
+#[test]
+fn every_section_reports_its_paths() {
+    let tiers = r#"
+        [[rules]]
+        name = "plan"
+        [rules.tiers]
+        keys = { "k1" = "gold" }
+        default = "silver"
+        cache_capacity = 0
+        plans = [
+          { name = "free", policies = [{ algorithm = "gcra", rate = "1/s" }] },
+          { name = "free", policies = [] },
+          { name = "bad name", policies = [{ algorithm = "gcra" }] },
+        ]
+        [[rules]]
+        name = "no-plans"
+        tiers = { resolver = "x" }
+    "#;
+    let errors = Config::from_toml(tiers).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "rules[0].tiers.keys",
+            "rules[0].tiers.default",
+            "rules[0].tiers.plans[1].name",
+            "rules[0].tiers.plans[1].policies",
+            "rules[0].tiers.plans[2].name",
+            "rules[0].tiers.plans[2].policies[0].rate",
+            "rules[0].tiers.cache_capacity",
+            "rules[1].tiers.plans",
+        ],
+        "{errors}"
+    );
+
+    let store = r#"
+        [store]
+        kind = "redis"
+        name = "has space"
+        cluster = ["10.0.0.1:6379", "nope"]
+        url = "redis://x"
+        max_keys = 5
+        pool_size = 1000
+        timeout = "0s"
+        instances = 3
+        breaker = { failures = 0, open_for = "0s" }
+    "#;
+    let errors = Config::from_toml(store).unwrap_err();
+    let mut paths = errors.paths();
+    // Without feature `redis`, the kind itself is a problem too.
+    paths.retain(|p| *p != "store.kind");
+    assert_eq!(
+        paths,
+        [
+            "store.max_keys",
+            "store.name",
+            "store.cluster",
+            "store.cluster[1]",
+            "store.timeout",
+            "store.pool_size",
+            "store.instances",
+            "store.breaker.failures",
+            "store.breaker.open_for",
+        ],
+        "{errors}"
+    );
+
+    let overload = r#"
+        keys.peer = { kind = "peer_ip" }
+        [concurrency]
+        total = 0
+        lease_time = "10s"
+        on_store_error = "closed"
+        queue = { max_waiting = 0, max_wait = "0s" }
+        rules = [
+          { name = "a", max_in_flight = 0 },
+          { name = "a", key = "ghost", max_in_flight = 1 },
+        ]
+        [shed]
+        limit = "fixed"
+        initial = 10
+        min = 2
+        latency = "1s"
+        class_header = "bad header"
+        shares = { urgent = 0.5, sheddable = 2.0 }
+        fair_from = 0
+        fair_by = "ghost"
+        deadline_header = "grpc-timeout"
+    "#;
+    let errors = Config::from_toml(overload).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "concurrency.rules[0].max_in_flight",
+            "concurrency.rules[1].name",
+            "concurrency.rules[1].key",
+            "concurrency.total",
+            "concurrency.queue.max_waiting",
+            "concurrency.queue.max_wait",
+            "concurrency.lease_time",
+            "concurrency.on_store_error",
+            "shed.min",
+            "shed.latency",
+            "shed.class_header",
+            "shed.shares.sheddable",
+            "shed.shares.urgent",
+            "shed.fair_from",
+            "shed.deadline_header",
+            "shed.fair_by",
+        ],
+        "{errors}"
+    );
+    let distributed =
+        Config::from_toml("[concurrency]\ntotal = 5\ndistributed = true\n").unwrap_err();
+    assert_eq!(distributed.paths(), ["concurrency.distributed"]);
+    let aimd = Config::from_toml("[shed]\nlimit = \"aimd\"\ninitial = 5\n").unwrap_err();
+    assert_eq!(aimd.paths(), ["shed.latency"]);
+}
+
+/// A file naming a Redis store connects to it behind its failure policy, and the layers it
+/// describes (the rate limit, a distributed concurrency limit) run on it.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn a_redis_store_from_the_file() {
+    let server = redis_or_skip!();
+    let text = format!(
+        r#"
+        keys.api = {{ kind = "header", header = "x-api-key" }}
+        [store]
+        kind = "redis"
+        name = "shared"
+        url = "{}"
+        prefix = "cfg:"
+        timeout = "2s"
+        on_failure = "closed"
+        breaker = {{ failures = 3, open_for = "1s" }}
+        [[rules]]
+        name = "per-key"
+        key = "api"
+        policies = [{{ algorithm = "fixed_window", limit = 2, window = "1h" }}]
+        [concurrency]
+        distributed = true
+        lease_time = "10s"
+        rules = [{{ name = "exports", key = "api", max_in_flight = 1 }}]
+        "#,
+        server.url()
+    );
+    let config = Config::from_toml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let store = config.store().await.unwrap();
+    assert_eq!(store.redis().unwrap().name(), "shared");
+    let concurrency = store.concurrency_layer(&config, &Bindings::new()).unwrap();
+    assert!(concurrency.is_some());
+    let service = app(config.rate_limit_layer(store, &Bindings::new()).unwrap());
+    assert_eq!(send(&service, "/", "k1").await.status(), StatusCode::OK);
+    assert_eq!(send(&service, "/", "k1").await.status(), StatusCode::OK);
+    assert_eq!(
+        send(&service, "/", "k1").await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // On Redis: the keys carry the file's prefix.
+    assert!(server.cli(&["KEYS", "cfg:*"]).contains("cfg:"));
+}
+
+/// Keys spelt with brackets, quotes or dots in the file: reported, never a panic.
+#[test]
+fn odd_key_names_are_reported() {
+    for text in [
+        "[keys.\"a[0]]\"]\nkind = 5\n",
+        "[keys.\"a[0]]\"]\nkind = \"header\"\nheader = 5\n",
+        "[keys.\"]\"]\nkind = 5\n",
+        "[keys.\"a.b\"]\nkind = 5\n",
+        "[[rules]]\nname = \"r\"\npolicies = [{ algorithm = \"gcra\", rate = \"1/s\" }]\n[rules.tiers]\nkeys = { \"k[0]]\" = 5 }\n",
+        "rules = [{ name = \"r\", policies = [{ rate = \"1/s\" }, \"gcra\", 7] }]\n",
+    ] {
+        let errors = Config::from_toml(text).unwrap_err();
+        assert!(!errors.errors().is_empty(), "{text}");
+        assert!(errors.errors().len() < 10, "{text}: {errors}");
+    }
+}
+
+/// Values the arithmetic cannot hold are reported at the field that holds them; with the
+/// Redis store, policies it cannot run exactly are refused up front (not answered 503 later).
+#[test]
+fn values_out_of_range_name_their_field() {
+    let errors = Config::from_toml(
+        r#"
+        [[rules]]
+        name = "r"
+        cost = 10
+        policies = [
+          { algorithm = "sliding_log", limit = 2000000, window = "1s" },
+          { algorithm = "gcra", rate = "1/day", burst = 100000000 },
+        ]
+        [[rules]]
+        name = "t"
+        cost = 10
+        tiers = { keys = { k = "small" }, plans = [{ name = "small", policies = [{ algorithm = "gcra", rate = "5/s" }] }] }
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "rules[0].policies[0].limit",
+            "rules[0].policies[1].burst",
+            "rules[1].tiers.plans[0].policies[0]",
+        ],
+        "{errors}"
+    );
+    #[cfg(feature = "redis")]
+    {
+        let errors = Config::from_toml(
+            r#"
+            store = { kind = "redis", url = "redis://127.0.0.1:1" }
+            [[rules]]
+            name = "month"
+            policies = [{ algorithm = "sliding_window", limit = 10, window = "30d" }]
+            "#,
+        )
+        .unwrap_err();
+        assert_eq!(errors.paths(), ["rules[0].policies[0]"], "{errors}");
+        assert!(
+            errors.to_string().contains("Redis store cannot run"),
+            "{errors}"
+        );
+    }
+}
+
+/// A reload that changes nothing swaps nothing (tier caches stay warm); one that changes a key
+/// the concurrency limit or the shedder uses is refused, since those read their keys at start.
+#[tokio::test]
+async fn reload_keeps_what_it_must_not_change() {
+    let text = r#"
+        keys.client = { kind = "forwarded", trusted = ["10.0.0.0/8"] }
+        keys.either = { kind = "any_of", of = ["client", "api"] }
+        keys.api = { kind = "header", header = "x-api-key" }
+        [[rules]]
+        name = "per-client"
+        key = "client"
+        policies = [{ algorithm = "gcra", rate = "10/s" }]
+        [concurrency]
+        rules = [{ name = "in-flight", key = "either", max_in_flight = 4 }]
+    "#;
+    let config = Config::from_toml(text).unwrap();
+    let (layer, reloader) = config
+        .reloadable_rate_limit_layer(MemoryStore::new(), Bindings::new())
+        .unwrap();
+    let before: *const _ = &*layer.limiter();
+    let summary = reloader.reload_toml(text).unwrap();
+    assert!(summary.is_empty());
+    assert_eq!(summary.to_string(), "no change");
+    assert_eq!(before, &*layer.limiter() as *const _, "nothing swapped");
+
+    // `client` is used by the rate limit and, through `either`, by the concurrency limit.
+    let moved = text.replace("10.0.0.0/8", "192.168.0.0/16");
+    let errors = reloader.reload_toml(&moved).unwrap_err();
+    assert_eq!(errors.paths(), ["concurrency"], "{errors}");
+    // A key only the rate limit uses may change.
+    let only_rate = text.replace("x-api-key", "x-key");
+    let errors = reloader.reload_toml(&only_rate).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        ["concurrency"],
+        "api is part of either: {errors}"
+    );
+    let header = text.replace("\"10/s\"", "\"20/s\"");
+    let summary = reloader.reload_toml(&header).unwrap();
+    assert_eq!(summary.changed, ["per-client"]);
+    assert!(!summary.answers_changed);
+    let traced = format!("trace_keys = \"hashed\"\n{header}");
+    assert!(reloader.reload_toml(&traced).unwrap().answers_changed);
+}
+
+/// Bounds checked up front rather than clamped or found at start: the shedder's bounds, the
+/// lease time against the store's timeout, and the size of a file.
+#[test]
+fn bounds_are_checked_not_clamped() {
+    let shed = Config::from_toml("[shed]\nlimit = \"vegas\"\ninitial = 5000\n").unwrap_err();
+    assert_eq!(shed.paths(), ["shed.initial"], "{shed}");
+    let shed = Config::from_toml("[shed]\nlimit = \"vegas\"\ninitial = 5\nmin = 0\n").unwrap_err();
+    assert_eq!(shed.paths(), ["shed.min"], "{shed}");
+    #[cfg(feature = "redis")]
+    {
+        let lease = Config::from_toml(
+            "store = { kind = \"redis\", url = \"redis://x\", timeout = \"1s\" }\n\
+             [concurrency]\ntotal = 5\ndistributed = true\nlease_time = \"2s\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(lease.paths(), ["concurrency.lease_time"], "{lease}");
+    }
+    let huge = format!("# {}\n", "x".repeat(tollgate::config::MAX_FILE_LEN));
+    let errors = Config::from_toml(&huge).unwrap_err();
+    assert!(errors.to_string().contains("at most"), "{errors}");
+    let path = std::env::temp_dir().join(format!("tollgate-huge-{}.toml", std::process::id()));
+    std::fs::write(&path, &huge).unwrap();
+    assert!(
+        Config::from_toml_file(&path)
+            .unwrap_err()
+            .to_string()
+            .contains("at most")
+    );
+    std::fs::remove_file(&path).ok();
+}
+
+/// A reload keeps the tier answers of the rules it leaves as they were: the resolver (a
+/// database, in real life) is not asked again for them; a changed rule asks afresh.
+#[tokio::test]
+async fn reload_keeps_the_tier_caches_of_unchanged_rules() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let asked = std::sync::Arc::new(AtomicUsize::new(0));
+    let bindings = {
+        let asked = asked.clone();
+        Bindings::new().resolver("plans", move |key: String| {
+            asked.fetch_add(1, Ordering::SeqCst);
+            async move { key.starts_with("pro-").then(|| "pro".to_owned()) }
+        })
+    };
+    let text = |other: &str| {
+        format!(
+            r#"
+            keys.api = {{ kind = "header", header = "x-api-key" }}
+            [[rules]]
+            name = "plan"
+            key = "api"
+            tiers = {{ resolver = "plans", plans = [
+              {{ name = "free", policies = [{{ algorithm = "gcra", rate = "10/s" }}] }},
+              {{ name = "pro", policies = [{{ algorithm = "gcra", rate = "100/s" }}] }},
+            ] }}
+            [[rules]]
+            name = "other"
+            policies = [{{ algorithm = "gcra", rate = "{other}" }}]
+            "#
+        )
+    };
+    let (layer, reloader) = Config::from_toml(&text("1000/s"))
+        .unwrap()
+        .reloadable_rate_limit_layer(MemoryStore::new(), bindings)
+        .unwrap();
+    let service = app(layer);
+    assert_eq!(send(&service, "/", "pro-1").await.status(), StatusCode::OK);
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    // Another rule changes: the plan rule's answers stay.
+    assert_eq!(
+        reloader.reload_toml(&text("2000/s")).unwrap().changed,
+        ["other"]
+    );
+    assert_eq!(send(&service, "/", "pro-1").await.status(), StatusCode::OK);
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+    // The plan rule changes: it asks again.
+    let changed = text("2000/s").replace("\"100/s\"", "\"200/s\"");
+    assert_eq!(reloader.reload_toml(&changed).unwrap().changed, ["plan"]);
+    assert_eq!(send(&service, "/", "pro-1").await.status(), StatusCode::OK);
+    assert_eq!(asked.load(Ordering::SeqCst), 2);
+}
+
+/// The shedder is read at start: a reload that changes it, or the key its fairness uses, is
+/// refused; one that changes neither is applied.
+#[tokio::test]
+async fn reload_refuses_a_changed_shedder() {
+    let text = r#"
+        keys.tenant = { kind = "header", header = "x-tenant" }
+        [[rules]]
+        name = "all"
+        policies = [{ algorithm = "gcra", rate = "10/s" }]
+        [shed]
+        limit = "fixed"
+        initial = 100
+        fair_by = "tenant"
+    "#;
+    let (_, reloader) = Config::from_toml(text)
+        .unwrap()
+        .reloadable_rate_limit_layer(MemoryStore::new(), Bindings::new())
+        .unwrap();
+    let limit = text.replace("initial = 100", "initial = 200");
+    assert_eq!(reloader.reload_toml(&limit).unwrap_err().paths(), ["shed"]);
+    let key = text.replace("x-tenant", "x-org");
+    assert_eq!(reloader.reload_toml(&key).unwrap_err().paths(), ["shed"]);
+    let rate = text.replace("\"10/s\"", "\"20/s\"");
+    assert_eq!(reloader.reload_toml(&rate).unwrap().changed, ["all"]);
+}
+
+/// A reload from a file reads it whole: a missing file is an error that names it.
+#[tokio::test]
+async fn reload_from_a_file() {
+    let path = std::env::temp_dir().join(format!("tollgate-reload-{}.toml", std::process::id()));
+    std::fs::write(&path, RELOAD_A).unwrap();
+    let (_, reloader) = Config::from_toml_file(&path)
+        .unwrap()
+        .reloadable_rate_limit_layer(MemoryStore::new(), Bindings::new())
+        .unwrap();
+    std::fs::write(&path, RELOAD_A.replace("limit = 3", "limit = 9")).unwrap();
+    assert_eq!(reloader.reload_file(&path).unwrap().changed, ["per-key"]);
+    std::fs::remove_file(&path).unwrap();
+    let missing = reloader.reload_file(&path).unwrap_err();
+    assert!(
+        missing.to_string().contains("tollgate-reload-"),
+        "{missing}"
+    );
 }

@@ -392,6 +392,38 @@ async fn store_scenario() -> Seen {
         };
         assert_eq!((decisions("store_error"), decisions("admitted")), (4, 2));
     }
+    // A layer whose store fails open: its admissions are the failure policy's, not the
+    // store's, and consume nothing.
+    let open = ResilientStore::builder(failing.clone())
+        .name("lenient-layer")
+        .failure_policy(FailurePolicy::Open)
+        .build();
+    let layer = RateLimitLayer::builder(open)
+        .rule(Rule::new("open-rule").policy(minute(100, "open-policy")))
+        .build()
+        .unwrap();
+    let service = ServiceBuilder::new().layer(layer).service(ok_service());
+    for _ in 0..3 {
+        assert_eq!(
+            service.clone().oneshot(get(&[])).await.unwrap().status(),
+            StatusCode::OK
+        );
+    }
+    seen.take(&snapshotter);
+    let decisions = |outcome| {
+        seen.counter(
+            m::DECISIONS_TOTAL,
+            &[("rule", "open-rule"), ("policy", ""), ("outcome", outcome)],
+        )
+    };
+    assert_eq!((decisions("failure_policy"), decisions("admitted")), (3, 0));
+    assert_eq!(
+        seen.counter(
+            m::COST_CONSUMED_TOTAL,
+            &[("rule", "open-rule"), ("policy", "open-policy")]
+        ),
+        0
+    );
     seen
 }
 

@@ -182,7 +182,8 @@ fn indent(text: &str) -> String {
     text.lines().map(|l| format!("  {l}\n")).collect()
 }
 
-/// Reloads when the file's content changes, checking every `every`; reports each attempt.
+/// Reloads when the file's content changes (and then stays the same for one more check),
+/// checking every `every`; reports each attempt.
 pub async fn watch(
     path: PathBuf,
     reloader: Reloader<ConfiguredStore>,
@@ -190,19 +191,29 @@ pub async fn watch(
     done: mpsc::UnboundedSender<bool>,
 ) {
     let mut last = tokio::fs::read(&path).await.ok();
+    // A change is applied once two reads in a row agree, so that a file caught while an
+    // editor writes it (a prefix can be valid TOML) is not applied. Replacing the file by a
+    // rename is atomic and best.
+    let mut seen: Option<Vec<u8>> = None;
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let now = tokio::fs::read(&path).await.ok();
-        if now.is_some() && now != last {
-            last = now;
-            if done
-                .send(reload(&reloader, &path, "the file changed"))
-                .is_err()
-            {
-                return;
-            }
+        if now.is_none() || now == last {
+            seen = None;
+            continue;
+        }
+        if seen != now {
+            seen = now;
+            continue;
+        }
+        last = seen.take();
+        if done
+            .send(reload(&reloader, &path, "the file changed"))
+            .is_err()
+        {
+            return;
         }
     }
 }

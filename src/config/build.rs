@@ -141,6 +141,37 @@ const MAX_KEY_DEPTH: usize = 8;
 /// The most keys one `any_of` / `all_of` combines.
 const MAX_KEY_PARTS: usize = 16;
 
+/// The most extractors one key runs in all, repeats counted: each request runs every one
+/// of them (`any_of` until one finds a key, `all_of` all of them, joined).
+const MAX_KEY_LEAVES: usize = 32;
+
+/// How many extractors the key named `name` runs in all, repeats counted (saturating; a
+/// cycle counts as too many).
+fn leaves<'a>(
+    config: &'a Config,
+    name: &'a str,
+    depth: usize,
+    memo: &mut BTreeMap<&'a str, usize>,
+) -> usize {
+    if let Some(&n) = memo.get(name) {
+        return n;
+    }
+    let Some(spec) = config.keys.get(name) else {
+        return 1;
+    };
+    let n = if !matches!(spec.kind, KeyKind::AnyOf | KeyKind::AllOf) {
+        1
+    } else if depth >= MAX_KEY_DEPTH {
+        usize::MAX
+    } else {
+        spec.of.iter().fold(0usize, |sum, part| {
+            sum.saturating_add(leaves(config, part, depth + 1, memo))
+        })
+    };
+    memo.insert(name, n);
+    n
+}
+
 /// Builds the parts of a configuration, noting every problem. Without bindings (a check of
 /// the file alone) names of bindings are not looked up.
 pub(crate) struct Builder<'a> {
@@ -324,6 +355,36 @@ impl<'a> Builder<'a> {
                     );
                     return None;
                 }
+                if let Some(twice) = spec
+                    .of
+                    .iter()
+                    .enumerate()
+                    .find(|(i, name)| spec.of[..*i].contains(name))
+                {
+                    p.add(
+                        format!("{path}.of[{}]", twice.0),
+                        format!("{:?} is named twice", twice.1),
+                    );
+                    return None;
+                }
+                let mut memo = BTreeMap::new();
+                let total = spec.of.iter().fold(0usize, |sum, part| {
+                    sum.saturating_add(leaves(self.config, part, depth + 1, &mut memo))
+                });
+                if total > MAX_KEY_LEAVES && depth == 0 {
+                    p.add(
+                        format!("{path}.of"),
+                        if total == usize::MAX {
+                            format!("keys nested more than {MAX_KEY_DEPTH} deep (a cycle?)")
+                        } else {
+                            format!(
+                                "runs more than {MAX_KEY_LEAVES} extractors per request in all \
+                                 (nested keys counted each time they appear)"
+                            )
+                        },
+                    );
+                    return None;
+                }
                 let mut parts = Vec::new();
                 for (i, name) in spec.of.iter().enumerate() {
                     if !self.config.keys.contains_key(name) {
@@ -474,7 +535,7 @@ impl<'a> Builder<'a> {
         let tiers = spec
             .tiers
             .as_ref()
-            .map(|t| self.tiers(t, &format!("{path}.tiers")));
+            .map(|t| self.tiers(t, &format!("{path}.tiers"), spec.cost.unwrap_or(1)));
         match (&spec.tiers, spec.policies.is_empty()) {
             (None, true) => self.problems.add(
                 format!("{path}.policies"),
@@ -488,6 +549,7 @@ impl<'a> Builder<'a> {
         let cost = spec.cost.unwrap_or(1);
         for (j, p) in policies.iter().enumerate() {
             if let Some(p) = p {
+                self.redis_runs(p, &format!("{path}.policies[{j}]"));
                 if cost > p.limit() {
                     self.problems.add(
                         format!("{path}.cost"),
@@ -513,7 +575,21 @@ impl<'a> Builder<'a> {
         Some(rule)
     }
 
-    fn tiers(&mut self, spec: &TiersConfig, path: &str) -> Option<Tiers> {
+    /// Whether the Redis store, when the file names it, can run `policy` exactly (its
+    /// arithmetic bounds the limits and spans); a problem at `path` if not.
+    fn redis_runs(&mut self, policy: &Policy, path: &str) {
+        #[cfg(feature = "redis")]
+        if self.config.store.kind == StoreKind::Redis {
+            if let Err(e) = crate::RedisStore::supports(policy) {
+                self.problems
+                    .add(path, format!("the Redis store cannot run it: {e}"));
+            }
+        }
+        #[cfg(not(feature = "redis"))]
+        let _ = (policy, path);
+    }
+
+    fn tiers(&mut self, spec: &TiersConfig, path: &str, cost: u64) -> Option<Tiers> {
         let resolver = match (&spec.resolver, self.bindings) {
             (Some(name), Some(bindings)) => match bindings.resolvers.get(name) {
                 Some(resolver) => Some(Arc::clone(resolver)),
@@ -540,11 +616,15 @@ impl<'a> Builder<'a> {
             );
         }
         let names: BTreeSet<&str> = spec.plans.iter().map(|p| p.name.as_str()).collect();
-        for (key, tier) in &spec.keys {
+        // The keys themselves (API keys, often) stay out of the report, which gets logged.
+        for (i, (_, tier)) in spec.keys.iter().enumerate() {
             if !names.contains(tier.as_str()) {
                 self.problems.add(
-                    format!("{path}.keys.{key}"),
-                    format!("no tier named {tier:?} among the plans"),
+                    format!("{path}.keys"),
+                    format!(
+                        "entry {} (in key order) names {tier:?}, which is not among the plans",
+                        i + 1
+                    ),
                 );
             }
         }
@@ -585,6 +665,21 @@ impl<'a> Builder<'a> {
                 &format!("{plan_path}.policies"),
                 &mut self.problems,
             );
+            for (j, p) in policies.iter().enumerate() {
+                if let Some(p) = p {
+                    self.redis_runs(p, &format!("{plan_path}.policies[{j}]"));
+                    if cost > p.limit() {
+                        self.problems.add(
+                            format!("{plan_path}.policies[{j}]"),
+                            format!(
+                                "its limit ({}) is below the rule's cost ({cost}), which would \
+                                 count such a request as its whole limit",
+                                p.limit()
+                            ),
+                        );
+                    }
+                }
+            }
             tiers = tiers.tier(plan.name.as_str(), policies.into_iter().flatten());
         }
         if let Some(default) = &spec.default {
@@ -711,6 +806,29 @@ impl<'a> Builder<'a> {
             builder = builder.queue(queue.max_waiting, queue.max_wait.get());
         }
         #[cfg(feature = "redis")]
+        if let (true, Some(lease)) = (spec.distributed, spec.lease_time) {
+            let timeout = self
+                .config
+                .store
+                .timeout
+                .map_or(crate::store::redis::DEFAULT_TIMEOUT, |t| t.get());
+            let (min, max) = (
+                crate::concurrency::MIN_LEASE_TIME,
+                crate::concurrency::MAX_LEASE_TIME,
+            );
+            if !(min..=max).contains(&lease.get()) || lease.get() < timeout.saturating_mul(3) {
+                self.problems.add(
+                    "concurrency.lease_time",
+                    format!(
+                        "{lease}: give {} to {}, and at least three times store.timeout ({})",
+                        super::HumanDuration::from(min),
+                        super::HumanDuration::from(max),
+                        super::HumanDuration::from(timeout)
+                    ),
+                );
+            }
+        }
+        #[cfg(feature = "redis")]
         if let (true, Some(redis)) = (spec.distributed, self.redis.clone()) {
             builder = builder.redis(redis);
             if let Some(lease) = spec.lease_time {
@@ -760,9 +878,21 @@ impl<'a> Builder<'a> {
                 }
             }
         }
-        if let (Some(min), Some(max)) = (spec.min, spec.max) {
+        if adaptive {
+            let (min, max) = (spec.min.unwrap_or(1), spec.max.unwrap_or(1_000));
+            if spec.min == Some(0) {
+                p.add("shed.min", "must be at least 1");
+            }
             if min > max {
                 p.add("shed.min", format!("{min} is above max ({max})"));
+            } else if !(min..=max).contains(&spec.initial) && spec.initial > 0 {
+                p.add(
+                    "shed.initial",
+                    format!(
+                        "{}: give a value within min ({min}) and max ({max})",
+                        spec.initial
+                    ),
+                );
             }
         }
         let mut limit = match spec.limit {
@@ -1089,11 +1219,22 @@ pub(crate) fn policy(spec: &PolicyConfig, path: &str, p: &mut Problems) -> Optio
     };
     let field = |e: &crate::PolicyError| -> &'static str {
         use crate::PolicyError as E;
-        match (e, window, spec.rate.is_some()) {
-            (E::ZeroLimit, true, false) => "limit",
-            (E::ZeroLimit, false, _) if spec.burst.is_some() => "burst",
-            (E::ZeroWindow, true, false) => "window",
-            (E::InvalidName(_), _, _) => "name",
+        let limit_field = if window { "limit" } else { "burst" };
+        let given = |field: &'static str| {
+            let set = match field {
+                "limit" => spec.limit.is_some(),
+                "burst" => spec.burst.is_some(),
+                _ => spec.window.is_some(),
+            };
+            if set { field } else { "rate" }
+        };
+        match e {
+            E::ZeroLimit => given(limit_field),
+            E::ZeroWindow => given("window"),
+            E::InvalidName(_) => "name",
+            E::TooLarge { what, .. } if what.contains("limit") => given(limit_field),
+            E::TooLarge { what, .. } if what.starts_with("burst") => given("burst"),
+            E::TooLarge { what, .. } if *what == "window" => given("window"),
             _ => "rate",
         }
     };
@@ -1118,13 +1259,16 @@ pub(crate) fn policy(spec: &PolicyConfig, path: &str, p: &mut Problems) -> Optio
 
 impl Config {
     /// Everything that needs no code bindings and no connection.
+    /// Registers no metric series (nothing it builds runs).
     pub(crate) fn check(&self) -> Result<(), ConfigErrors> {
-        let mut builder = Builder::new(self, None);
-        builder.store();
-        let _ = builder.rate_limit(crate::MemoryStore::new());
-        let _ = builder.concurrency();
-        let _ = builder.shed();
-        builder.problems.or(())
+        super::reload::quietly(|| {
+            let mut builder = Builder::new(self, None);
+            builder.store();
+            let _ = builder.rate_limit(crate::MemoryStore::new());
+            let _ = builder.concurrency();
+            let _ = builder.shed();
+            builder.problems.or(())
+        })
     }
 
     /// The rate-limit layer over `store`, with the keys, resolvers and responder of

@@ -138,9 +138,11 @@
 //! consumed under every (rule, policy) pair it leaves as it was. A policy whose algorithm,
 //! limit, window, rate or name changes is new state, and starts fresh: its clients get its
 //! whole allowance once (a tightened limit is not charged with what was consumed under the old
-//! one). Renaming a rule starts its state fresh too. The `store`, `concurrency` and `shed`
-//! sections are read when the service starts: a reload that changes them is refused (restart
-//! to apply them), so what runs is always what the file says.
+//! one). Renaming a rule starts its state fresh too. Rules left as they were keep their
+//! tiers' cached answers, so a reload asks no resolver again for them, and a file that
+//! changed nothing swaps nothing. The `store`, `concurrency` and `shed` sections (and the keys
+//! those two use) are read when the service starts: a reload that changes them is refused
+//! (restart to apply them), so what runs is always what the file says.
 
 mod build;
 mod human;
@@ -165,6 +167,10 @@ pub use store::ConfiguredStore;
 
 /// The most problems one report lists (the rest are counted).
 const MAX_REPORTED: usize = 100;
+
+/// The longest configuration read (1 MiB): far more than any set of limits needs, and a bound
+/// on what checking a file costs.
+pub const MAX_FILE_LEN: usize = 1 << 20;
 
 /// One problem of a configuration: where, and what.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -268,9 +274,21 @@ impl Config {
     /// the rest read again, up to 100 problems); the values are then checked (see
     /// [`Config::validate`]).
     pub fn from_toml(text: &str) -> Result<Config, ConfigErrors> {
+        if text.len() > MAX_FILE_LEN {
+            return Err(ConfigErrors::one(
+                "",
+                format!(
+                    "{} bytes: a configuration is at most {MAX_FILE_LEN}",
+                    text.len()
+                ),
+            ));
+        }
         let mut table: toml::Table = toml::from_str(text)
             .map_err(|e| ConfigErrors::one("", format!("not TOML: {}", e.to_string().trim())))?;
         let mut problems = Problems::default();
+        // How often each path failed: a value set aside may leave its parent failing at the
+        // same path (an array item needs fields); then the parent is set aside.
+        let mut failed: std::collections::HashMap<String, usize> = Default::default();
         let config = loop {
             let value = toml::Value::Table(table.clone());
             match serde_path_to_error::deserialize::<_, Config>(value) {
@@ -281,10 +299,18 @@ impl Config {
                     let message = e.into_inner().to_string();
                     // The path is given already; TOML's own suffix repeats it.
                     let message = message.split("\nin `").next().unwrap_or_default();
-                    problems.add(path.clone(), message.trim());
+                    let times = failed.entry(path.clone()).or_insert(0);
+                    if *times == 0 {
+                        problems.add(path.clone(), message.trim());
+                    }
+                    *times += 1;
+                    let aside = ancestor(&path, *times - 1);
                     // Set the field aside and read the rest, so that every problem shows;
                     // stop when nothing can be set aside.
-                    if problems.0.len() >= MAX_REPORTED || !remove_at(&mut table, &path) {
+                    if problems.0.len() >= MAX_REPORTED
+                        || failed.len() > 2 * MAX_REPORTED
+                        || !remove_at(&mut table, aside)
+                    {
                         break None;
                     }
                 }
@@ -301,9 +327,17 @@ impl Config {
 
     /// Reads a TOML configuration file ([`Config::from_toml`]).
     pub fn from_toml_file(path: impl AsRef<Path>) -> Result<Config, ConfigErrors> {
+        use std::io::Read;
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigErrors::one("", format!("{}: {e}", path.display())))?;
+        let unreadable =
+            |e: std::io::Error| ConfigErrors::one("", format!("{}: {e}", path.display()));
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .map_err(unreadable)?
+            // One byte more than the bound, so that a longer file is seen as such.
+            .take(MAX_FILE_LEN as u64 + 1)
+            .read_to_string(&mut text)
+            .map_err(unreadable)?;
         Config::from_toml(&text)
     }
 
@@ -343,6 +377,20 @@ fn remove_at(table: &mut toml::Table, path: &str) -> bool {
     remove_steps(table, &steps)
 }
 
+/// `path` less its last `up` steps (`a[1].b` up 1 is `a[1]`, up 2 is `a`).
+fn ancestor(path: &str, up: usize) -> &str {
+    let mut path = path;
+    for _ in 0..up {
+        let cut = if path.ends_with(']') {
+            path.rfind('[')
+        } else {
+            path.rfind(['.', '['])
+        };
+        path = &path[..cut.unwrap_or(0)];
+    }
+    path
+}
+
 #[derive(Debug, PartialEq)]
 enum Step<'a> {
     Key(&'a str),
@@ -359,12 +407,19 @@ fn split_path(path: &str) -> Vec<Step<'_>> {
         if !name.is_empty() {
             steps.push(Step::Key(name));
         }
-        while let Some(end) = rest.find(']') {
-            match rest[1..end].parse() {
+        // `[3]` steps; anything else (a key spelt with brackets) ends the walk.
+        while let Some(inner) = rest.strip_prefix('[') {
+            let Some(end) = inner.find(']') else {
+                return steps;
+            };
+            match inner[..end].parse() {
                 Ok(i) => steps.push(Step::Index(i)),
                 Err(_) => return steps,
             }
-            rest = &rest[end + 1..];
+            rest = &inner[end + 1..];
+        }
+        if !rest.is_empty() {
+            return steps;
         }
     }
     steps
@@ -413,6 +468,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn ancestors() {
+        assert_eq!(ancestor("a[1].b", 0), "a[1].b");
+        assert_eq!(ancestor("a[1].b", 1), "a[1]");
+        assert_eq!(ancestor("a[1].b", 2), "a");
+        assert_eq!(ancestor("a[1].b", 3), "");
+        assert_eq!(ancestor("a", 5), "");
+    }
+
+    #[test]
     fn paths_split() {
         assert_eq!(
             split_path("rules[2].policies[0].window"),
@@ -426,5 +490,22 @@ mod tests {
         );
         assert_eq!(split_path("store"), [Step::Key("store")]);
         assert!(split_path("").is_empty());
+        // Key names with brackets: no panic, the walk stops where it cannot follow.
+        for odd in [
+            "keys.x[0]]",
+            "a]",
+            "a[",
+            "a[x]",
+            "a[0]b",
+            "]]",
+            "[[0]",
+            "a[99999999999999999999]",
+        ] {
+            let _ = split_path(odd);
+        }
+        assert_eq!(
+            split_path("keys.x[0]]"),
+            [Step::Key("keys"), Step::Key("x"), Step::Index(0)]
+        );
     }
 }

@@ -121,6 +121,19 @@ impl Config {
     }
 }
 
+/// Runs `f` with a recorder that keeps nothing (feature `metrics`): a configuration checked
+/// but not run registers no series.
+pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::with_local_recorder(&metrics::NoopRecorder, f)
+    }
+    #[cfg(not(feature = "metrics"))]
+    {
+        f()
+    }
+}
+
 fn build_shared<St: Store>(
     config: &Config,
     store: St,
@@ -146,34 +159,48 @@ impl<St: Store + Clone> Reloader<St> {
     /// service starts). State is kept for every (rule, key, policy) that stays as it was.
     pub fn reload(&self, config: Config) -> Result<ReloadSummary, ConfigErrors> {
         let mut current = self.inner.current.lock();
+        if config == *current {
+            // Nothing to swap: the tier caches stay warm.
+            return Ok(ReloadSummary::default());
+        }
         let mut refused = Vec::new();
         if config.store != current.store {
             refused.push("store");
         }
-        if config.concurrency != current.concurrency {
+        if config.concurrency != current.concurrency
+            || keys_changed(&current, &config, concurrency_keys(&current))
+        {
             refused.push("concurrency");
         }
-        if config.shed != current.shed {
+        if config.shed != current.shed || keys_changed(&current, &config, shed_keys(&current)) {
             refused.push("shed");
         }
-        let built = build_shared(&config, self.inner.store.clone(), &self.inner.bindings);
-        let mut errors = match built {
-            Ok(shared) if refused.is_empty() => {
-                let summary = summarize(&current, &config);
-                self.inner.cell.store(Arc::new(shared));
-                *current = config;
-                return Ok(summary);
+        if !refused.is_empty() {
+            // Checked first, so that a refused file registers nothing (no metric series for
+            // rules that never ran); its other problems are reported too.
+            let mut errors = config.check().err().map_or(Vec::new(), |e| e.0);
+            for section in refused {
+                errors.push(super::ConfigError::new(
+                    section,
+                    "changed (or a key it uses changed): this section is read when the \
+                     service starts; restart to apply it",
+                ));
             }
-            Ok(_) => Vec::new(),
-            Err(errors) => errors.0,
-        };
-        for section in refused {
-            errors.push(super::ConfigError::new(
-                section,
-                "changed: this section is read when the service starts; restart to apply it",
-            ));
+            return Err(ConfigErrors(errors));
         }
-        Err(ConfigErrors(errors))
+        config.check()?;
+        let mut shared = build_shared(&config, self.inner.store.clone(), &self.inner.bindings)?;
+        let summary = summarize(&current, &config);
+        // Rules left as they were keep their tiers' cached answers.
+        let running = self.inner.cell.load();
+        shared.limiter.adopt_tier_caches(&running.limiter, |name| {
+            current.rules.iter().any(|r| r.name == name)
+                && !summary.changed.iter().any(|c| c == name)
+        });
+        drop(running);
+        self.inner.cell.store(Arc::new(shared));
+        *current = config;
+        Ok(summary)
     }
 
     /// [`Reloader::reload`] from TOML text.
@@ -194,13 +221,13 @@ impl<St: Store + Clone> Reloader<St> {
 
 fn summarize(old: &Config, new: &Config) -> ReloadSummary {
     let mut summary = ReloadSummary {
-        answers_changed: old.answers != new.answers,
+        answers_changed: old.answers != new.answers || old.trace_keys != new.trace_keys,
         ..ReloadSummary::default()
     };
     for rule in &new.rules {
         match old.rules.iter().find(|r| r.name == rule.name) {
             None => summary.added.push(rule.name.clone()),
-            Some(before) if before != rule || keys_changed(old, new, rule.key.as_deref()) => {
+            Some(before) if before != rule || keys_changed(old, new, rule.key.iter().cloned()) => {
                 summary.changed.push(rule.name.clone());
             }
             Some(_) => {}
@@ -214,14 +241,91 @@ fn summarize(old: &Config, new: &Config) -> ReloadSummary {
     summary
 }
 
-/// Whether the key a rule names is defined differently (by name; combined keys shallowly).
-fn keys_changed(old: &Config, new: &Config, key: Option<&str>) -> bool {
-    let Some(key) = key else { return false };
-    let (a, b) = (old.keys.get(key), new.keys.get(key));
-    a != b
-        || a.is_some_and(|spec| {
-            spec.of
-                .iter()
-                .any(|part| old.keys.get(part) != new.keys.get(part))
-        })
+/// The keys the concurrency rules use, by name.
+fn concurrency_keys(config: &Config) -> Vec<String> {
+    config
+        .concurrency
+        .iter()
+        .flat_map(|c| c.rules.iter().filter_map(|r| r.key.clone()))
+        .collect()
+}
+
+/// The key the shedder's fairness uses.
+fn shed_keys(config: &Config) -> Vec<String> {
+    config
+        .shed
+        .iter()
+        .filter_map(|s| s.fair_by.clone())
+        .collect()
+}
+
+/// Whether any of the keys `names` (or the keys they combine, at any depth) is defined
+/// differently in `new` than in `old`.
+fn keys_changed(old: &Config, new: &Config, names: impl IntoIterator<Item = String>) -> bool {
+    let mut todo: Vec<String> = names.into_iter().collect();
+    let mut seen = std::collections::BTreeSet::new();
+    while let Some(name) = todo.pop() {
+        if !seen.insert(name.clone()) {
+            continue;
+        }
+        let (a, b) = (old.keys.get(&name), new.keys.get(&name));
+        if a != b {
+            return true;
+        }
+        if let Some(spec) = a {
+            todo.extend(spec.of.iter().cloned());
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(added: &[&str], removed: &[&str], changed: &[&str], answers: bool) -> ReloadSummary {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect();
+        ReloadSummary {
+            added: names(added),
+            removed: names(removed),
+            changed: names(changed),
+            answers_changed: answers,
+        }
+    }
+
+    /// The summary logged after a reload: each part only when it has something, in order.
+    #[test]
+    fn a_summary_says_what_changed() {
+        assert!(summary(&[], &[], &[], false).is_empty());
+        for (s, text) in [
+            (summary(&["a"], &[], &[], false), "added: a"),
+            (summary(&[], &["b"], &[], false), "removed: b"),
+            (summary(&[], &[], &["c", "d"], false), "changed: c, d"),
+            (summary(&[], &[], &[], true), "answers changed"),
+            (
+                summary(&["a"], &["b"], &["c"], true),
+                "added: a; removed: b; changed: c; answers changed",
+            ),
+            (
+                summary(&[], &["b"], &[], true),
+                "removed: b; answers changed",
+            ),
+        ] {
+            assert!(!s.is_empty(), "{text}");
+            assert_eq!(s.to_string(), text);
+        }
+        assert_eq!(summary(&[], &[], &[], false).to_string(), "no change");
+    }
+
+    #[test]
+    fn a_reloader_shows_its_bindings() {
+        let (_, reloader) = Config::default()
+            .reloadable_rate_limit_layer(crate::MemoryStore::new(), Bindings::new())
+            .unwrap();
+        let shown = format!("{reloader:?}");
+        assert!(
+            shown.starts_with("Reloader { bindings: Bindings"),
+            "{shown}"
+        );
+    }
 }

@@ -74,6 +74,28 @@ impl<St> Limiter<St> {
     pub fn rule_names(&self) -> impl Iterator<Item = &str> {
         self.rules.iter().map(|r| &*r.name)
     }
+
+    /// Takes over the tier caches of `old`'s rules of the same name for which `unchanged`
+    /// says so (a reload that left them as they were asks their resolvers nothing).
+    #[cfg_attr(not(feature = "serde"), allow(dead_code))]
+    pub(crate) fn adopt_tier_caches(
+        &mut self,
+        old: &Limiter<St>,
+        unchanged: impl Fn(&str) -> bool,
+    ) {
+        for rule in self.rules.iter_mut() {
+            let Some(tiers) = &mut rule.tiers else {
+                continue;
+            };
+            if !unchanged(&rule.name) {
+                continue;
+            }
+            let before = old.rules.iter().find(|r| r.name == rule.name);
+            if let Some(before) = before.and_then(|r| r.tiers.as_ref()) {
+                tiers.adopt(before);
+            }
+        }
+    }
 }
 
 impl<St> fmt::Debug for Limiter<St> {
@@ -244,6 +266,9 @@ pub(crate) struct CompiledRule {
     /// have), refused without a key, and could not decide.
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     admitted: Counter,
+    /// Admissions by the store's failure policy (fail open, or the local fallback): the
+    /// store did not decide.
+    failure_policy: Counter,
     no_key: Counter,
     store_error: Counter,
 }
@@ -405,8 +430,14 @@ impl CompiledRule {
             (false, MissingKey::Reject(_)) => (decisions("no_key"), decisions("store_error")),
             (false, MissingKey::Skip) => (Counter::noop(), decisions("store_error")),
         };
+        let failure_policy = if rule.shadow {
+            Counter::noop()
+        } else {
+            decisions("failure_policy")
+        };
         Ok(CompiledRule {
             admitted: decisions("admitted"),
+            failure_policy,
             no_key,
             store_error,
             suffix: format!("@{name}").into(),
@@ -684,6 +715,12 @@ impl<St: Store> Limiter<St> {
             return;
         };
         match result {
+            Ok(d) if d.allowed() && !d.reached_backend() => {
+                // Admitted by the failure policy: nothing was consumed from the store.
+                rule.failure_policy.increment(1);
+                span.record("failure_policy", Some(&rule.name), None, None);
+                return;
+            }
             Ok(d) if d.allowed() => {
                 rule.admitted.increment(1);
                 #[cfg(feature = "metrics")]
@@ -961,6 +998,18 @@ impl<St: Store> Limiter<St> {
             return;
         }
         match result {
+            Ok(d) if d.allowed() && !d.reached_backend() => {
+                // Admitted by the failure policy: nothing was consumed from the store.
+                for a in applied {
+                    if let Some(rule) = self.rules.get(usize::from(a.rule)) {
+                        rule.failure_policy.increment(1);
+                    }
+                }
+                let first = applied
+                    .first()
+                    .and_then(|a| self.rules.get(usize::from(a.rule)));
+                span.record("failure_policy", first.map(|r| &*r.name), None, None);
+            }
             Ok(d) => {
                 let located = self.locate_set(applied, d.index());
                 if d.allowed() {

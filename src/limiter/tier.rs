@@ -176,13 +176,13 @@ impl Tiers {
             names,
             default,
             ttl: u64::try_from(self.ttl.as_nanos()).unwrap_or(u64::MAX),
-            cache: TierCache {
+            cache: Arc::new(TierCache {
                 table: Mutex::new(HashTable::new()),
                 hasher: foldhash::fast::RandomState::default(),
                 capacity: self.capacity,
                 #[cfg(test)]
                 scans: Default::default(),
-            },
+            }),
             clock: self.clock,
         }
     }
@@ -205,7 +205,8 @@ pub(crate) struct TierLookup {
     names: Box<[Box<str>]>,
     default: u16,
     ttl: u64,
-    cache: TierCache,
+    /// Shared with the lookup of the same rule after a reload that left the rule as it was.
+    cache: Arc<TierCache>,
     clock: Arc<dyn Clock>,
     /// `tollgate_tier_cache_total`, by result.
     hits: Counter,
@@ -213,6 +214,15 @@ pub(crate) struct TierLookup {
 }
 
 impl TierLookup {
+    /// Takes over the answers `old` has cached (and the clock that times them): for a rule
+    /// that a reload left exactly as it was, so that the reload asks the resolver nothing.
+    pub(crate) fn adopt(&mut self, old: &TierLookup) {
+        if self.names == old.names && self.ttl == old.ttl {
+            self.cache = Arc::clone(&old.cache);
+            self.clock = Arc::clone(&old.clock);
+        }
+    }
+
     /// The remembered tier of a key, if it is still fresh.
     #[inline]
     pub(crate) fn cached(&self, key: &str) -> Option<u16> {

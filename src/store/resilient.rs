@@ -185,7 +185,14 @@ struct Shared<S> {
     instances: u64,
     divided: Mutex<HashMap<u64, Policy>>,
     counters: Counters,
+    /// When the last WARN of a failed call was logged (the breaker's clock, plus one so that
+    /// zero means never): at most one a second, the others at DEBUG. A store that dies fails
+    /// every call in flight at once, and an outage must not flood the log.
+    warned_at: std::sync::atomic::AtomicU64,
 }
+
+/// The least time between two WARNs of failed calls of one store.
+const WARN_EVERY: u64 = 1_000_000_000;
 
 /// A store wrapped in a timeout, a circuit breaker and a [`FailurePolicy`]. Cloning is cheap;
 /// clones share the breaker, the counters and the fallback store.
@@ -366,6 +373,18 @@ impl<S: Store> ResilientStore<S> {
 }
 
 impl<S> Shared<S> {
+    /// Whether a failed call may be logged at WARN: the first in a second.
+    fn warn_now(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = self.breaker.now().saturating_add(1);
+        let last = self.warned_at.load(Relaxed);
+        (last == 0 || now.saturating_sub(last) >= WARN_EVERY)
+            && self
+                .warned_at
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_ok()
+    }
+
     /// A call that reached the store failed with `error`.
     fn failure(&self, permit: Permit, error: &StoreError) {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
@@ -373,14 +392,27 @@ impl<S> Shared<S> {
             self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
         self.telemetry.error(error);
-        crate::telemetry::event!(
-            warn,
-            name: "tollgate.store.failed",
-            store = &*self.name,
-            kind = ERROR_KINDS[error_kind(error)],
-            error = %error,
-            "the rate-limit store failed"
-        );
+        if self.warn_now() {
+            crate::telemetry::event!(
+                warn,
+                name: "tollgate.store.failed",
+                parent: None,
+                store = &*self.name,
+                kind = ERROR_KINDS[error_kind(error)],
+                error = %error,
+                "the rate-limit store failed (at most one such WARN a second; the others at DEBUG)"
+            );
+        } else {
+            crate::telemetry::event!(
+                debug,
+                name: "tollgate.store.failed",
+                parent: None,
+                store = &*self.name,
+                kind = ERROR_KINDS[error_kind(error)],
+                error = %error,
+                "the rate-limit store failed"
+            );
+        }
         if self.breaker.failure(permit) {
             self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
         }
@@ -620,6 +652,7 @@ impl<S: Store> ResilientStoreBuilder<S> {
                 hook: self.hook,
                 divided: Mutex::new(HashMap::new()),
                 counters: Counters::default(),
+                warned_at: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -885,7 +918,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_probe_answered_without_the_backend_leaves_the_breaker_open() {
+    async fn a_probe_answered_without_the_backend_leaves_the_next_probe_due() {
         let fake = Fake::default();
         let s = store(&fake, FailurePolicy::Closed);
         let p = policy();
@@ -895,7 +928,8 @@ mod tests {
         fake.set(LOCAL);
         let d = s.check("k", &p, 1).await.unwrap();
         assert!(!d.allowed() && !d.reached_backend());
-        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        // Not closed: still half open (no change to log), the next probe due at once.
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
         // The next call probes at once, alone, and pays one timeout, not one per call.
         fake.set(HANG);
         let started = Instant::now();
@@ -920,7 +954,7 @@ mod tests {
             s.check("k", &p, 1).await,
             Err(StoreError::CostExceedsLimit { .. })
         ));
-        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
         fake.set(OK);
         assert!(s.check("k", &p, 1).await.unwrap().allowed());
         assert_eq!(s.breaker_state(), BreakerStatus::Closed);
@@ -1170,7 +1204,8 @@ mod tests {
         assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
         calls.abort_all();
         assert!(calls.join_next().await.unwrap().unwrap_err().is_cancelled());
-        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        // Open for `open_for`, here zero: the next probe is due at once.
+        assert_eq!(s.breaker_state(), BreakerStatus::HalfOpen);
         fake.set(OK);
         assert!(s.check("k", &p, 1).await.unwrap().allowed());
         assert_eq!(s.breaker_state(), BreakerStatus::Closed);

@@ -120,16 +120,17 @@ local function pending_add(p, token, delta, ms)
   return p .. ';' .. entry
 end
 
--- Takes `token` out of the pending list: its delta (0 if unknown) and the list left. With
--- `settle` (the consumption stays), the other entries are left as they are.
-local function pending_take(p, token, settle)
+-- Takes `token` out of the pending list: its delta (0 if unknown), at most `cap` (a quota
+-- lease gives back only its unspent part), and the list left. With `settle` (the consumption
+-- stays), the other entries are left as they are.
+local function pending_take(p, token, settle, cap)
   if p == nil or p == false or p == '' then
     return 0, nil
   end
   local delta, hi = 0, -1
   for tok, d, _, h in string.gmatch(p, PENDING_ENTRY) do
     if tok == token then
-      delta, hi = tonumber(d), tonumber(h)
+      delta, hi = min(tonumber(d), cap), tonumber(h)
     end
   end
   local out = {}
@@ -154,15 +155,16 @@ local function pending_take(p, token, settle)
   return delta, table.concat(out, ';')
 end
 
--- The refund of a bucket: loads its state and takes this call's pending delta out of it (0
--- with `settle`: the call was admitted everywhere, so only how to refund it is forgotten).
--- `fields_after(s, delta)` returns the field and value pairs of the refunded state.
-local function refund_bucket(key, sec, horizon, fields, token, settle, fields_after)
+-- The refund of a bucket: loads its state and takes this call's pending delta out of it, at
+-- most `cap` (0 with `settle`: the call was admitted everywhere, so only how to refund it is
+-- forgotten). `fields_after(s, delta)` returns the field and value pairs of the refunded
+-- state.
+local function refund_bucket(key, sec, horizon, fields, token, settle, cap, fields_after)
   local s = load_hash(key, sec, horizon, fields)
   if s == nil then
     return
   end
-  local delta, p = pending_take(s.p, token, settle)
+  local delta, p = pending_take(s.p, token, settle, cap)
   if settle then
     delta = 0
   end

@@ -34,7 +34,7 @@ ALGORITHMS['gcra'] = function(key, limit, interval, cost, horizon, sec, now)
 end
 
 REFUNDS['gcra'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now, settle)
-  refund_bucket(key, sec, horizon, { 'tat' }, token, settle, function(s, delta)
+  refund_bucket(key, sec, horizon, { 'tat' }, token, settle, cost * interval, function(s, delta)
     return 'tat', int(s.tat - s.shift - delta)
   end)
 end

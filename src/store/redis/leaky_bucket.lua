@@ -38,7 +38,7 @@ ALGORITHMS['leaky_bucket'] = function(key, limit, interval, cost, horizon, sec, 
 end
 
 REFUNDS['leaky_bucket'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now, settle)
-  refund_bucket(key, sec, horizon, { 'level', 'last' }, token, settle, function(s, delta)
+  refund_bucket(key, sec, horizon, { 'level', 'last' }, token, settle, cost * interval, function(s, delta)
     -- A level below zero reads as an empty bucket, like a theoretical arrival time in the past.
     return 'level', int(s.level - delta), 'last', int(s.last - s.shift)
   end)

@@ -116,6 +116,15 @@
 //! If a slot fails, the slots that consumed are refunded and the call returns the error. A call
 //! that times out between consuming and refunding leaves its cost consumed (an over-rejection).
 //!
+//! # Hot keys: leased quota
+//!
+//! A key that one instance checks thousands of times per second (a global limit, a big
+//! tenant) can be decided in process from a lease of its quota, taken out of Redis in one
+//! call and given back unspent through the refund path above: wrap the store in a
+//! [`LeasedStore`], whose docs state the lease policy and the exact bounds it keeps. Its lease
+//! calls run `take.lua` (check.lua that may consume more than the cost, as much as fits), and
+//! a bucket's refund there takes back only the lease's unspent part.
+//!
 //! # Failures
 //!
 //! Every call has a timeout (default 250 ms): an unreachable Redis gives
@@ -139,8 +148,14 @@
 
 mod deny;
 mod keys;
+mod leased;
 
 pub use keys::KeySlots;
+pub use leased::{
+    DEFAULT_BUCKET_LIFETIME, DEFAULT_HOT_THRESHOLD, DEFAULT_IDLE_AFTER, DEFAULT_LEASE_SPAN,
+    DEFAULT_MAX_HOT_KEYS, DEFAULT_MAX_SHARE_PERCENT, LeaseStats, LeasedFuture, LeasedStore,
+    LeasedStoreBuilder,
+};
 
 use std::fmt;
 use std::fmt::Write as _;
@@ -224,6 +239,19 @@ const REFUND_LUA: &str = concat!(
 
 const LEASE_LUA: &str = concat!(include_str!("common.lua"), include_str!("lease.lua"));
 
+/// check.lua's sibling for calls that take quota leases (see [`LeasedStore`]).
+const TAKE_LUA: &str = concat!(
+    include_str!("common.lua"),
+    include_str!("arith.lua"),
+    include_str!("gcra.lua"),
+    include_str!("token_bucket.lua"),
+    include_str!("leaky_bucket.lua"),
+    include_str!("fixed_window.lua"),
+    include_str!("sliding_window.lua"),
+    include_str!("sliding_log.lua"),
+    include_str!("take.lua"),
+);
+
 /// A script and its SHA-1.
 #[derive(Clone, Debug)]
 struct Lua {
@@ -248,6 +276,7 @@ struct Scripts {
     mixed: Lua,
     refund: Lua,
     lease: Lua,
+    take: Lua,
 }
 
 impl Scripts {
@@ -264,13 +293,14 @@ impl Scripts {
             mixed: Lua::new(MIXED_LUA),
             refund: Lua::new(REFUND_LUA),
             lease: Lua::new(LEASE_LUA),
+            take: Lua::new(TAKE_LUA),
         }
     }
 
     fn all(&self) -> impl Iterator<Item = &Lua> {
         self.single
             .iter()
-            .chain([&self.mixed, &self.refund, &self.lease])
+            .chain([&self.mixed, &self.refund, &self.lease, &self.take])
     }
 
     /// The script for a call on these items.
@@ -473,6 +503,76 @@ impl RedisStore {
     }
 }
 
+/// Quota leases (see [`LeasedStore`]): calls that consume more than their cost, and the refund
+/// of what a lease did not spend.
+impl RedisStore {
+    /// The clock this store times its calls with (the injected one in tests).
+    pub(crate) fn local_clock(&self) -> &Arc<dyn Clock> {
+        &self.inner.local
+    }
+
+    /// Decides `wanted` all or nothing, as [`RedisStore::check_all`] decides their checks,
+    /// consuming for each up to its `want` where there is room for more than its cost (see
+    /// take.lua). The future owns what it needs.
+    pub(crate) fn take(&self, wanted: &[Wanted<'_>]) -> TakeFuture {
+        match self.inner.prepare_wanted(wanted.iter().copied(), true) {
+            Err(e) => Box::pin(std::future::ready(Err(e))),
+            Ok(Prepared::Done(decision)) => {
+                let sent = self.inner.local.now();
+                Box::pin(std::future::ready(Ok(Taken {
+                    decision,
+                    sent,
+                    items: SmallVec::new(),
+                })))
+            }
+            Ok(Prepared::Ask(call)) => {
+                let inner = Arc::clone(&self.inner);
+                Box::pin(async move {
+                    let first_slot = call.items[0].slot;
+                    if call.items.iter().all(|it| it.slot == first_slot) {
+                        return inner.take(&call).await;
+                    }
+                    match tokio::time::timeout(inner.timeout, inner.take(&call)).await {
+                        Ok(r) => r,
+                        Err(_) => Err(StoreError::Timeout(inner.timeout)),
+                    }
+                })
+            }
+        }
+    }
+
+    /// Gives back `unspent` units of each lease (0: a bucket only forgets its pending refund),
+    /// one refund.lua call per key, all at once. The first error, if any.
+    pub(crate) async fn give_back(&self, leases: Vec<(Ticket, u64)>) -> Result<(), StoreError> {
+        let inner = &self.inner;
+        let mut by_key: Vec<Vec<(Ticket, u64)>> = Vec::new();
+        for (ticket, unspent) in leases {
+            if unspent == 0 && !ticket.needs_settling() {
+                continue;
+            }
+            match by_key.iter_mut().find(|g| g[0].0.key == ticket.key) {
+                Some(g) => g.push((ticket, unspent)),
+                None => by_key.push(vec![(ticket, unspent)]),
+            }
+        }
+        let calls = by_key.into_iter().map(|group| async move {
+            let build = || inner.refund_args(inner.now_args(), group.iter().cloned(), "refund");
+            eval::<Value, _>(&inner.pool, &inner.scripts.refund, build)
+                .await
+                .map_err(|e| backend_error(&e, inner.timeout))
+        });
+        futures_util::future::join_all(calls)
+            .await
+            .into_iter()
+            .find_map(Result::err)
+            .map_or(Ok(()), Err)
+    }
+}
+
+/// The future of [`RedisStore::take`].
+pub(crate) type TakeFuture =
+    Pin<Box<dyn Future<Output = Result<Taken, StoreError>> + Send + 'static>>;
+
 /// What to do with a lease of a concurrency limit (see `lease.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum LeaseOp {
@@ -585,7 +685,7 @@ impl Store for RedisStore {
     }
 }
 
-fn supports(policy: &Policy, index: usize) -> Result<(), UnsupportedPolicy> {
+pub(crate) fn supports(policy: &Policy, index: usize) -> Result<(), UnsupportedPolicy> {
     if policy.limit() > MAX_LIMIT {
         return Err(UnsupportedPolicy {
             index,
@@ -668,9 +768,19 @@ struct Item {
     limit: u64,
     period: u64,
     cost: u64,
+    /// What to consume if there is room for it (a quota lease, see `leased.rs`); the cost
+    /// otherwise.
+    want: u64,
     horizon: u64,
     index: usize,
     deny_hash: u64,
+}
+
+impl Item {
+    /// Whether the item asks for more than its cost (a quota lease).
+    fn leasing(&self) -> bool {
+        self.want > self.cost
+    }
 }
 
 struct Call {
@@ -678,6 +788,8 @@ struct Call {
     /// Injected time as (seconds, nanoseconds), or None for Redis TIME.
     time: Option<(u64, u64)>,
     sent: u64,
+    /// Whether the call runs take.lua (some item may lease) rather than check.lua.
+    take: bool,
 }
 
 enum Prepared {
@@ -691,19 +803,98 @@ struct Group<'a> {
     tokens: SmallVec<[String; 4]>,
 }
 
-/// What a slot's script answered: its decisions and where each admitted cost went.
+/// What one check's script answered: its decision, where its admitted cost went (`ref_b`,
+/// `ref_t`) and how much it consumed (the cost, or a lease's size).
+#[derive(Clone, Copy)]
+struct Answered {
+    decision: Decision,
+    ref_b: i64,
+    ref_t: i64,
+    granted: u64,
+}
+
+/// What a slot's script answered: whether all its checks were admitted, and each one's answer.
 struct Answer {
     admitted: bool,
-    decisions: SmallVec<[(Decision, i64, i64); 4]>,
+    decisions: SmallVec<[Answered; 4]>,
+}
+
+/// One check of a call that may take a quota lease: the check, its index in the caller's
+/// stack, and how much to consume if there is room (at least its cost; more to take a lease).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Wanted<'a> {
+    pub(crate) check: Check<'a>,
+    pub(crate) index: usize,
+    pub(crate) want: u64,
+}
+
+/// What a lease-taking call answered.
+#[derive(Debug)]
+pub(crate) struct Taken {
+    /// The verdict, as [`RedisStore::check_all`] would have answered it.
+    pub(crate) decision: Decision,
+    /// The local time at which the call was sent: the script ran no earlier.
+    pub(crate) sent: u64,
+    /// Each check's own answer, in the order asked (none when the deny cache answered).
+    pub(crate) items: SmallVec<[TakenItem; 4]>,
+}
+
+/// One check's answer in a [`Taken`].
+#[derive(Debug)]
+pub(crate) struct TakenItem {
+    pub(crate) index: usize,
+    /// The check's cost.
+    pub(crate) cost: u64,
+    /// Its decision, for what it consumed (`granted` when admitted).
+    pub(crate) decision: Decision,
+    /// What it consumed: 0 unless the whole call was admitted.
+    pub(crate) granted: u64,
+    /// How to give back what a lease does not spend (a lease item that consumed something).
+    pub(crate) ticket: Option<Ticket>,
+}
+
+/// How to give back the unspent part of a quota lease through refund.lua.
+#[derive(Clone, Debug)]
+pub(crate) struct Ticket {
+    key: Key,
+    algorithm: &'static str,
+    limit: u64,
+    period: u64,
+    horizon: u64,
+    token: String,
+    ref_b: i64,
+    ref_t: i64,
+}
+
+impl Ticket {
+    /// Whether giving back nothing still needs a call (a bucket forgets its pending refund).
+    pub(crate) fn needs_settling(&self) -> bool {
+        !self.token.is_empty()
+    }
 }
 
 impl Inner {
     fn prepare(&self, checks: &[Check<'_>]) -> Result<Prepared, StoreError> {
-        if checks.is_empty() {
+        self.prepare_wanted(
+            checks.iter().enumerate().map(|(index, check)| Wanted {
+                check: *check,
+                index,
+                want: check.cost(),
+            }),
+            false,
+        )
+    }
+
+    fn prepare_wanted<'c>(
+        &self,
+        checks: impl ExactSizeIterator<Item = Wanted<'c>>,
+        take: bool,
+    ) -> Result<Prepared, StoreError> {
+        if checks.len() == 0 {
             return Ok(Prepared::Done(NOTHING_TO_CHECK.without_backend()));
         }
-        let mut merged: SmallVec<[(Check<'_>, usize); 4]> = SmallVec::new();
-        for (index, check) in checks.iter().enumerate() {
+        let mut merged: SmallVec<[(Check<'_>, usize, u64); 4]> = SmallVec::new();
+        for Wanted { check, index, want } in checks {
             check.validate(index, self.max_key_len)?;
             supports(check.policy(), index).map_err(|e| StoreError::Unsupported {
                 index,
@@ -712,9 +903,9 @@ impl Inner {
             // The same (key, policy) twice in one stack is one check of the summed cost.
             match merged
                 .iter_mut()
-                .find(|(c, _)| c.policy().id() == check.policy().id() && c.key() == check.key())
+                .find(|(c, _, _)| c.policy().id() == check.policy().id() && c.key() == check.key())
             {
-                Some((c, _)) => {
+                Some((c, _, w)) => {
                     let cost = c
                         .cost()
                         .checked_add(check.cost())
@@ -725,13 +916,14 @@ impl Inner {
                             limit: c.policy().limit(),
                         })?;
                     *c = c.with_cost(cost);
+                    *w = w.saturating_add(want);
                 }
-                None => merged.push((*check, index)),
+                None => merged.push((check, index, want)),
             }
         }
         let local_now = self.local.now();
         let mut items = SmallVec::new();
-        for (check, index) in merged {
+        for (check, index, want) in merged {
             let key = self
                 .names
                 .placed_name(check.key(), check.placement(), check.policy());
@@ -756,6 +948,7 @@ impl Inner {
                 limit: policy.limit(),
                 period: policy.period_nanos(),
                 cost: check.cost(),
+                want: want.clamp(check.cost(), policy.limit()),
                 // Bounded by MAX_HORIZON, checked above.
                 horizon: u64::try_from(horizon(policy)).unwrap_or(u64::MAX),
                 index,
@@ -770,6 +963,7 @@ impl Inner {
             items,
             time,
             sent: local_now,
+            take,
         })))
     }
 
@@ -814,18 +1008,85 @@ impl Inner {
     }
 
     async fn decide(&self, call: &Call) -> Result<Decision, StoreError> {
+        let answers = self.answers(call).await?;
+        Ok(self.verdict(call, answers.iter().map(|(g, a)| (a, g.items.clone()))))
+    }
+
+    /// Runs the call's scripts: one per slot, and the cross-slot protocol when there are
+    /// several. The groups come in the order of [`Inner::slot_groups`].
+    async fn answers<'c>(&self, call: &'c Call) -> Result<Vec<(Group<'c>, Answer)>, StoreError> {
         let first_slot = call.items[0].slot;
         if call.items.iter().all(|it| it.slot == first_slot) {
+            let items: SmallVec<[&Item; 4]> = call.items.iter().collect();
             let group = Group {
-                items: call.items.iter().collect(),
-                tokens: call.items.iter().map(|_| String::new()).collect(),
+                tokens: self.tokens(&items, false),
+                items,
             };
             let answer = self.consume(call, &group).await?;
-            let verdict = self.verdict(call, [(&answer, group.items)]);
-            return Ok(verdict);
+            return Ok(vec![(group, answer)]);
         }
-        let answers = self.consume_across_slots(call).await?;
-        Ok(self.verdict(call, answers.iter().zip(Self::slot_groups(call))))
+        self.consume_across_slots(call).await
+    }
+
+    /// The refund tokens of a group's items: a bucket needs one to be refunded (a lease's
+    /// unspent part, or a slot's consumption when another slot rejects), others none.
+    fn tokens(&self, items: &[&Item], across_slots: bool) -> SmallVec<[String; 4]> {
+        items
+            .iter()
+            .map(|it| match it.algorithm {
+                "token_bucket" | "leaky_bucket" | "gcra" if across_slots || it.leasing() => {
+                    format!(
+                        "{:x}.{:x}",
+                        self.instance,
+                        self.tokens.fetch_add(1, Ordering::Relaxed)
+                    )
+                }
+                _ => String::new(),
+            })
+            .collect()
+    }
+
+    /// A lease-taking call: the verdict, and each check's own answer with what it consumed
+    /// and how to give a lease's unspent part back.
+    async fn take(&self, call: &Call) -> Result<Taken, StoreError> {
+        let answers = self.answers(call).await?;
+        let decision = self.verdict(call, answers.iter().map(|(g, a)| (a, g.items.clone())));
+        let mut items: SmallVec<[TakenItem; 4]> = SmallVec::new();
+        for (group, answer) in &answers {
+            for ((it, token), a) in group.items.iter().zip(&group.tokens).zip(&answer.decisions) {
+                let consumed = answer.admitted && a.granted > 0;
+                let ticket = (it.leasing() && consumed).then(|| Ticket {
+                    key: it.key.clone(),
+                    algorithm: it.algorithm,
+                    limit: it.limit,
+                    period: it.period,
+                    horizon: it.horizon,
+                    token: token.clone(),
+                    ref_b: a.ref_b,
+                    ref_t: a.ref_t,
+                });
+                items.push(TakenItem {
+                    index: it.index,
+                    cost: it.cost,
+                    decision: a.decision,
+                    granted: if answer.admitted { a.granted } else { 0 },
+                    ticket,
+                });
+            }
+        }
+        // Cross-slot: one slot may have admitted while another rejected; what it consumed
+        // was refunded, so nothing was granted anywhere.
+        if !decision.allowed() {
+            for item in &mut items {
+                item.granted = 0;
+                item.ticket = None;
+            }
+        }
+        Ok(Taken {
+            decision,
+            sent: call.sent,
+            items,
+        })
     }
 
     /// The most restrictive decision of all the answers; rejections go to the deny cache.
@@ -837,13 +1098,14 @@ impl Inner {
         let now = self.local.now();
         let mut decisions: SmallVec<[(Decision, u64); 4]> = SmallVec::new();
         for (answer, items) in answers {
-            for ((d, _, _), item) in answer.decisions.iter().zip(items) {
+            for (a, item) in answer.decisions.iter().zip(items) {
+                let d = a.decision;
                 if !d.allowed() {
                     if let Some(deny) = &self.deny {
-                        deny.insert(item.deny_hash, item.cost, call.sent, now, *d);
+                        deny.insert(item.deny_hash, item.cost, call.sent, now, d);
                     }
                 }
-                decisions.push((*d, item.cost));
+                decisions.push((d, item.cost));
             }
         }
         // In the order of the checks, as the in-process store folds them (ties keep the first).
@@ -866,21 +1128,14 @@ impl Inner {
             .collect()
     }
 
-    async fn consume_across_slots(&self, call: &Call) -> Result<Vec<Answer>, StoreError> {
+    async fn consume_across_slots<'c>(
+        &self,
+        call: &'c Call,
+    ) -> Result<Vec<(Group<'c>, Answer)>, StoreError> {
         let groups: Vec<Group<'_>> = Self::slot_groups(call)
             .into_iter()
             .map(|items| Group {
-                tokens: items
-                    .iter()
-                    .map(|it| match it.algorithm {
-                        "token_bucket" | "leaky_bucket" | "gcra" => format!(
-                            "{:x}.{:x}",
-                            self.instance,
-                            self.tokens.fetch_add(1, Ordering::Relaxed)
-                        ),
-                        _ => String::new(),
-                    })
-                    .collect(),
+                tokens: self.tokens(&items, true),
                 items,
             })
             .collect();
@@ -889,11 +1144,21 @@ impl Inner {
         let all_admitted = results.iter().all(|r| matches!(r, Ok(a) if a.admitted));
         if all_admitted {
             // Nothing to take back: let the buckets forget the pending refunds, off the
-            // caller's path.
+            // caller's path (but not those of leases: their unspent part comes back later).
             for (g, r) in groups.iter().zip(&results) {
                 if let Ok(a) = r {
-                    if g.tokens.iter().any(|t| !t.is_empty()) {
-                        let (keys, args) = self.refund_args(call, g, a, "settle");
+                    let settled = g
+                        .items
+                        .iter()
+                        .zip(&g.tokens)
+                        .zip(&a.decisions)
+                        .filter(|((it, t), _)| !t.is_empty() && !it.leasing());
+                    let (keys, args) = self.refund_args(
+                        self.time_args(call),
+                        settled.map(|((it, t), a)| (refund_of(it, t, a), a.granted)),
+                        "settle",
+                    );
+                    if !keys.is_empty() {
                         let (pool, lua) = (self.pool.clone(), self.scripts.refund.clone());
                         tokio::spawn(async move {
                             let build = || (keys.clone(), args.clone());
@@ -907,22 +1172,41 @@ impl Inner {
             let refunds = groups.iter().zip(&results).filter_map(|(g, r)| match r {
                 Ok(a) if a.admitted => {
                     Some(eval::<Value, _>(&self.pool, &self.scripts.refund, || {
-                        self.refund_args(call, g, a, "refund")
+                        let consumed = g.items.iter().zip(&g.tokens).zip(&a.decisions);
+                        self.refund_args(
+                            self.time_args(call),
+                            consumed.map(|((it, t), a)| (refund_of(it, t, a), a.granted)),
+                            "refund",
+                        )
                     }))
                 }
                 _ => None,
             });
             let _ = futures_util::future::join_all(refunds).await;
         }
-        results.into_iter().collect()
+        groups
+            .into_iter()
+            .zip(results)
+            .map(|(g, r)| r.map(|a| (g, a)))
+            .collect()
     }
 
     async fn consume(&self, call: &Call, group: &Group<'_>) -> Result<Answer, StoreError> {
+        // take.lua has one more argument per check (want), and one more value per answer.
+        let (stride, lua) = if call.take {
+            (7, &self.scripts.take)
+        } else {
+            (6, self.scripts.check(&group.items))
+        };
         // The numbers of every check in one buffer, handed out as slices of it.
         let mut digits = String::with_capacity(64 * group.items.len());
-        let mut ends: SmallVec<[usize; 16]> = SmallVec::new();
+        let mut ends: SmallVec<[usize; 20]> = SmallVec::new();
+        let per_item = if call.take { 5 } else { 4 };
         for it in &group.items {
-            for n in [it.limit, it.period, it.cost, it.horizon] {
+            for n in [it.limit, it.period, it.cost, it.horizon, it.want]
+                .into_iter()
+                .take(per_item)
+            {
                 let _ = write!(digits, "{n}");
                 ends.push(digits.len());
             }
@@ -930,27 +1214,33 @@ impl Inner {
         let digits = Bytes::from(digits);
         let build = || {
             let keys: Vec<Key> = group.items.iter().map(|it| it.key.clone()).collect();
-            let mut args: Vec<Value> = Vec::with_capacity(3 + 6 * group.items.len());
+            let mut args: Vec<Value> = Vec::with_capacity(3 + stride * group.items.len());
             args.extend(self.time_args(call));
-            let mut start = 0;
             for (i, (it, token)) in group.items.iter().zip(&group.tokens).enumerate() {
+                let number = |k: usize| {
+                    let at = per_item * i + k;
+                    let start = if at == 0 { 0 } else { ends[at - 1] };
+                    Value::Bytes(digits.slice(start..ends[at]))
+                };
                 args.push(static_str(it.algorithm));
-                for &end in &ends[4 * i..4 * i + 4] {
-                    args.push(Value::Bytes(digits.slice(start..end)));
-                    start = end;
+                for k in 0..4 {
+                    args.push(number(k));
                 }
                 args.push(if token.is_empty() {
                     static_str("")
                 } else {
                     Value::from(token.as_str())
                 });
+                if call.take {
+                    args.push(number(4));
+                }
             }
             (keys, args)
         };
-        let out = eval::<Vec<i64>, _>(&self.pool, self.scripts.check(&group.items), build)
+        let out = eval::<Vec<i64>, _>(&self.pool, lua, build)
             .await
             .map_err(|e| backend_error(&e, self.timeout))?;
-        if out.len() != 1 + 6 * group.items.len() {
+        if out.len() != 1 + stride * group.items.len() {
             return Err(StoreError::Backend(Box::new(RedisError {
                 message: format!("unexpected script answer of {} values", out.len()),
             })));
@@ -958,12 +1248,17 @@ impl Inner {
         let decisions = group
             .items
             .iter()
-            .zip(out[1..].chunks_exact(6))
+            .zip(out[1..].chunks_exact(stride))
             .map(|(it, v)| {
                 let n = |x: i64| u64::try_from(x).unwrap_or(0);
-                let d = Decision::from_nanos(v[0] == 1, it.limit, n(v[1]), n(v[2]), n(v[3]))
+                let decision = Decision::from_nanos(v[0] == 1, it.limit, n(v[1]), n(v[2]), n(v[3]))
                     .with_index(it.index);
-                (d, v[4], v[5])
+                Answered {
+                    decision,
+                    ref_b: v[4],
+                    ref_t: v[5],
+                    granted: if call.take { n(v[6]) } else { it.cost },
+                }
             })
             .collect();
         Ok(Answer {
@@ -972,32 +1267,43 @@ impl Inner {
         })
     }
 
-    /// The keys and arguments of refund.lua for a group: `mode` is `refund` (take back what
-    /// the group consumed) or `settle` (the call was admitted: forget how to refund it).
+    /// The keys and arguments of refund.lua: `mode` is `refund` (take back `cost` of what each
+    /// consumed) or `settle` (the call was admitted: forget how to refund it).
     fn refund_args(
         &self,
-        call: &Call,
-        group: &Group<'_>,
-        answer: &Answer,
+        time: [Value; 3],
+        consumed: impl Iterator<Item = (Ticket, u64)>,
         mode: &'static str,
     ) -> (Vec<Key>, Vec<Value>) {
-        let keys: Vec<Key> = group.items.iter().map(|it| it.key.clone()).collect();
-        let mut args: Vec<Value> = Vec::with_capacity(3 + 8 * group.items.len());
-        let [sec, nsec, _] = self.time_args(call);
-        args.extend([sec, nsec, static_str(mode)]);
-        for ((it, token), (_, ref_b, ref_t)) in
-            group.items.iter().zip(&group.tokens).zip(&answer.decisions)
-        {
-            args.push(static_str(it.algorithm));
-            args.push(Value::from(it.limit.to_string()));
-            args.push(Value::from(it.period.to_string()));
-            args.push(Value::from(it.cost.to_string()));
-            args.push(Value::from(it.horizon.to_string()));
-            args.push(Value::from(token.as_str()));
-            args.push(Value::from(ref_b.to_string()));
-            args.push(Value::from(ref_t.to_string()));
+        let mut keys: Vec<Key> = Vec::new();
+        let [sec, nsec, _] = time;
+        let mut args: Vec<Value> = vec![sec, nsec, static_str(mode)];
+        for (t, cost) in consumed {
+            keys.push(t.key);
+            args.push(static_str(t.algorithm));
+            args.push(Value::from(t.limit.to_string()));
+            args.push(Value::from(t.period.to_string()));
+            args.push(Value::from(cost.to_string()));
+            args.push(Value::from(t.horizon.to_string()));
+            args.push(Value::from(t.token));
+            args.push(Value::from(t.ref_b.to_string()));
+            args.push(Value::from(t.ref_t.to_string()));
         }
         (keys, args)
+    }
+}
+
+/// What refund.lua needs to take back an item's consumption.
+fn refund_of(it: &Item, token: &str, a: &Answered) -> Ticket {
+    Ticket {
+        key: it.key.clone(),
+        algorithm: it.algorithm,
+        limit: it.limit,
+        period: it.period,
+        horizon: it.horizon,
+        token: token.to_owned(),
+        ref_b: a.ref_b,
+        ref_t: a.ref_t,
     }
 }
 

@@ -39,7 +39,7 @@ ALGORITHMS['token_bucket'] = function(key, limit, interval, cost, horizon, sec, 
 end
 
 REFUNDS['token_bucket'] = function(key, limit, interval, cost, horizon, token, ref_b, ref_t, sec, now, settle)
-  refund_bucket(key, sec, horizon, { 'credit', 'last' }, token, settle, function(s, delta)
+  refund_bucket(key, sec, horizon, { 'credit', 'last' }, token, settle, cost * interval, function(s, delta)
     -- Credit above the capacity is capped when read, like a theoretical arrival time in the past.
     return 'credit', int(s.credit + delta), 'last', int(s.last - s.shift)
   end)
