@@ -1,8 +1,8 @@
 //! The HTTP layer's own cost per request, in process (no sockets): an axum hello-world router
 //! called with `oneshot`, bare, with tollgate's layer (in-process store, per-IP key, a limit
 //! nobody reaches, the IETF fields on every response) and with tower_governor's
-//! `GovernorLayer`, each both under `Router::layer` and wrapped around the router, all in the
-//! same run.
+//! `GovernorLayer` (without headers, and with its `use_headers`), each both under
+//! `Router::layer` and wrapped around the router, all in the same run.
 //!
 //! ```sh
 //! cargo bench --bench http --features axum
@@ -15,7 +15,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use apps::{governor, hello, limited, static_fields};
+use apps::{governor, governor_with_headers, hello, limited, static_fields};
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use criterion::{Criterion, criterion_group};
@@ -120,58 +120,72 @@ where
     Box::new(Svc(service, PEER))
 }
 
-/// The apps, in the order of the tables in BENCHMARKS.md; `HTTP_BENCH_ONLY` takes an index.
-fn apps() -> Vec<(&'static str, Box<dyn App>)> {
-    let noop = tower::util::MapRequestLayer::new(|r: Request<Body>| r);
-    let around = |l| ServiceBuilder::new().layer(l).service(hello());
+/// Makes one app.
+type Maker = fn() -> Box<dyn App>;
+
+/// The apps, in the order of the tables in BENCHMARKS.md; `HTTP_BENCH_ONLY` takes an index
+/// and makes only that one (so that its count of instructions does not depend on what the
+/// others left on the heap).
+fn makers() -> Vec<(&'static str, Maker)> {
+    fn around<L: tower::Layer<axum::Router>>(l: L) -> L::Service {
+        ServiceBuilder::new().layer(l).service(hello())
+    }
     vec![
-        ("bare axum", app(hello())),
-        ("axum + a no-op layer", app(hello().layer(noop))),
-        (
-            "tollgate",
-            app(hello().layer(limited(HeaderProfile::Ietf, true))),
-        ),
-        (
-            "tollgate, no decision ext.",
-            app(hello().layer(limited(HeaderProfile::Ietf, false))),
-        ),
-        (
-            "tollgate, no fields/ext.",
-            app(hello().layer(limited(HeaderProfile::Off, false))),
-        ),
-        ("tower_governor", app(hello().layer(governor()))),
-        (
-            "tollgate around router",
-            app(around(limited(HeaderProfile::Ietf, true))),
-        ),
-        (
-            "tower_governor around rtr",
+        ("bare axum", || app(hello())),
+        ("axum + a no-op layer", || {
+            app(hello().layer(tower::util::MapRequestLayer::new(|r: Request<Body>| r)))
+        }),
+        ("tollgate", || {
+            app(hello().layer(limited(HeaderProfile::Ietf, false)))
+        }),
+        ("tollgate + decision ext.", || {
+            app(hello().layer(limited(HeaderProfile::Ietf, true)))
+        }),
+        ("tollgate, no fields", || {
+            app(hello().layer(limited(HeaderProfile::Off, false)))
+        }),
+        ("tower_governor", || app(hello().layer(governor()))),
+        ("tollgate around router", || {
+            app(around(limited(HeaderProfile::Ietf, false)))
+        }),
+        ("tower_governor around rtr", || {
             app(ServiceBuilder::new()
                 .layer(governor())
-                .service(hello().into_service::<Body>())),
-        ),
-        (
-            "static fields around rtr",
+                .service(hello().into_service::<Body>()))
+        }),
+        ("static fields around rtr", || {
             app(ServiceBuilder::new()
                 .map_response(static_fields)
-                .service(hello().into_service::<Body>())),
-        ),
-        (
-            "tollgate around, IPv6 peer",
-            Box::new(Svc(around(limited(HeaderProfile::Ietf, true)), PEER6)),
-        ),
-        (
-            "tollgate around, no f./ext.",
-            app(around(limited(HeaderProfile::Off, false))),
-        ),
-        ("trivial service", app(trivial())),
-        (
-            "trivial + tollgate",
+                .service(hello().into_service::<Body>()))
+        }),
+        ("tollgate around, IPv6 peer", || {
+            Box::new(Svc(around(limited(HeaderProfile::Ietf, false)), PEER6))
+        }),
+        ("tollgate around, no fields", || {
+            app(around(limited(HeaderProfile::Off, false)))
+        }),
+        ("trivial service", || app(trivial())),
+        ("trivial + tollgate", || {
             app(ServiceBuilder::new()
-                .layer(limited(HeaderProfile::Ietf, true))
-                .service(trivial())),
-        ),
+                .layer(limited(HeaderProfile::Ietf, false))
+                .service(trivial()))
+        }),
+        ("tower_governor + headers", || {
+            app(hello().layer(governor_with_headers()))
+        }),
+        ("tower_gov. + headers around", || {
+            app(ServiceBuilder::new()
+                .layer(governor_with_headers())
+                .service(hello().into_service::<Body>()))
+        }),
     ]
+}
+
+fn apps() -> Vec<(&'static str, Box<dyn App>)> {
+    makers()
+        .into_iter()
+        .map(|(name, make)| (name, make()))
+        .collect()
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -271,11 +285,11 @@ fn main() {
         std::env::var("HTTP_BENCH_ONLY"),
         std::env::var("HTTP_BENCH_N"),
     ) {
-        let apps = apps();
         let (Ok(index), Ok(n)) = (index.parse::<usize>(), n.parse::<u64>()) else {
             return;
         };
-        if let Some((name, app)) = apps.get(index) {
+        if let Some((name, make)) = makers().get(index) {
+            let app = make();
             let took = app.run(&runtime(), n, 0);
             println!("{name}: {n} requests in {took:?}");
         }

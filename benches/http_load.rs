@@ -1,8 +1,9 @@
 //! Loopback load: hello-world axum servers (bare; with tollgate's layer, with it but no
 //! rate-limit fields, with tower_governor's `GovernorLayer`, each under `Router::layer`; and
-//! both layers wrapped around the whole router; and a layer that only inserts the two IETF
-//! fields with values made once, the floor of any layer that sends them) driven by `wrk` in the
-//! same run, in alternation, for requests per second and the 99th percentile latency.
+//! both layers wrapped around the whole router; tower_governor with its own headers
+//! (`use_headers`) in both places; and a layer that only inserts the two IETF fields with
+//! values made once, the floor of any layer that sends them) driven by `wrk` in the same run,
+//! in alternation, for requests per second and the 99th percentile latency.
 //!
 //! ```sh
 //! apt-get install -y wrk          # Debian's wrk
@@ -10,7 +11,7 @@
 //! ```
 //!
 //! The servers share one tokio worker thread, wrk gets one thread: on a two-core machine each
-//! side has a core. Every run is bounded: `ROUNDS` x 7 servers x `SECONDS` seconds.
+//! side has a core. Every run is bounded: `ROUNDS` x 9 servers x `SECONDS` seconds.
 #![allow(missing_docs)]
 
 mod apps;
@@ -19,7 +20,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::process::Command;
 
-use apps::{governor, hello, limited, static_fields};
+use apps::{governor, governor_with_headers, hello, limited, static_fields};
 use axum::Extension;
 use axum::extract::{ConnectInfo, Request};
 use axum::response::Response;
@@ -122,18 +123,18 @@ fn main() {
             ("bare axum", spawn(hello()).await),
             (
                 "tollgate",
-                spawn(hello().layer(limited(HeaderProfile::Ietf, true))).await,
+                spawn(hello().layer(limited(HeaderProfile::Ietf, false))).await,
             ),
             (
                 "tollgate, no fields",
-                spawn(hello().layer(limited(HeaderProfile::Off, true))).await,
+                spawn(hello().layer(limited(HeaderProfile::Off, false))).await,
             ),
             ("tower_governor", spawn(hello().layer(governor())).await),
             (
                 "tollgate around",
                 spawn(
                     ServiceBuilder::new()
-                        .layer(limited(HeaderProfile::Ietf, true))
+                        .layer(limited(HeaderProfile::Ietf, false))
                         .service(hello()),
                 )
                 .await,
@@ -143,6 +144,19 @@ fn main() {
                 spawn(
                     ServiceBuilder::new()
                         .layer(governor())
+                        .service(hello().into_service()),
+                )
+                .await,
+            ),
+            (
+                "tower_governor + headers",
+                spawn(hello().layer(governor_with_headers())).await,
+            ),
+            (
+                "tower_gov. + headers around",
+                spawn(
+                    ServiceBuilder::new()
+                        .layer(governor_with_headers())
                         .service(hello().into_service()),
                 )
                 .await,
@@ -172,7 +186,7 @@ fn main() {
         for (i, (name, addr)) in servers.iter().enumerate() {
             match wrk(*addr) {
                 Some((rps, p99)) => {
-                    println!("round {round}: {name:<22} {rps:>9.0} req/s  p99 {p99:>7.0} us");
+                    println!("round {round}: {name:<27} {rps:>9.0} req/s  p99 {p99:>7.0} us");
                     results[i].0.push(rps);
                     results[i].1.push(p99);
                     if i == 0 {
@@ -199,7 +213,7 @@ fn main() {
         }
         let (rps, p99) = (median(rps), median(p99));
         println!(
-            "  {name:<22} {rps:>9.0} req/s ({:.3}x bare)  p99 {p99:>6.0} us  share of bare in the same round {:.3}x",
+            "  {name:<27} {rps:>9.0} req/s ({:.3}x bare)  p99 {p99:>6.0} us  share of bare in the same round {:.3}x",
             rps / bare_rps,
             median(shares),
         );

@@ -56,6 +56,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .on_missing_key(MissingKey::Reject(StatusCode::UNAUTHORIZED))
                 .tiers(tiers),
         )
+        .decision_extension(true) // handlers read the decision
         .build()?;
     // Handlers see the decision.
     let app = Router::new()

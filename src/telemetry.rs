@@ -3,7 +3,10 @@
 //! appear in them ([`KeyTrace`]).
 //!
 //! Both features are on by default; without them (`default-features = false`) nothing of
-//! this is compiled in: no handle, no clock read, no span.
+//! this is compiled in: no handle, no clock read, no span. With them, a request that no
+//! subscriber wants DEBUG for makes no span (one relaxed load of `tracing`'s maximum level
+//! decides), and a recorded metric is an atomic add on a handle registered when the layer was
+//! built; BENCHMARKS.md has what both cost per request.
 //!
 //! # Tracing
 //!
@@ -33,9 +36,10 @@
 //! [`KeyTrace::Hashed`] (a short hash that tells keys apart and is the same in every process)
 //! or [`KeyTrace::Plain`].
 //!
-//! The decision span is made with `debug_span!`: while DEBUG is off for `tollgate`, making it
-//! is one check of the callsite's cached interest, and recording into it does nothing. With
-//! a `fmt` subscriber, its fields show on the events inside it, or on its close with
+//! The decision span is made only while some subscriber wants DEBUG (`tracing`'s global
+//! maximum level, one relaxed load), and then with `debug_span!`, whose callsite's cached
+//! interest tells whether DEBUG is on for `tollgate` itself; otherwise there is no span, and
+//! recording does nothing. With a `fmt` subscriber, its fields show on the events inside it, or on its close with
 //! `FmtSpan::CLOSE`.
 //!
 //! ```
@@ -240,27 +244,50 @@ pub(crate) use event;
 
 /// The span of one rate-limit decision, `tollgate.decision` at DEBUG (nothing without the
 /// `tracing` feature).
+///
+/// No span is made at all unless a subscriber may want DEBUG from this crate: while the
+/// highest level any subscriber asks for is above DEBUG (or none is installed), a request
+/// pays one relaxed load of `tracing`'s global maximum level, and everything else here is a
+/// check of `None`. In particular `tracing`'s `log` fallback (on in every axum build with its
+/// default `tower-log` feature) never runs per request.
 #[derive(Debug)]
 pub(crate) struct DecisionSpan {
     #[cfg(feature = "tracing")]
-    span: ::tracing::Span,
+    span: Option<::tracing::Span>,
+}
+
+/// Whether a subscriber may want DEBUG spans now (the level this crate's spans are at).
+#[cfg(feature = "tracing")]
+#[inline(always)]
+fn debug_wanted() -> bool {
+    use ::tracing::level_filters::{LevelFilter, STATIC_MAX_LEVEL};
+    STATIC_MAX_LEVEL >= LevelFilter::DEBUG && LevelFilter::current() >= LevelFilter::DEBUG
 }
 
 impl DecisionSpan {
-    /// A new span (disabled, and nearly free, while DEBUG is off for this crate).
+    /// A new span: none while no subscriber wants DEBUG for this crate.
     #[inline(always)]
     pub(crate) fn new() -> Self {
         Self {
             #[cfg(feature = "tracing")]
-            span: ::tracing::debug_span!(
-                "tollgate.decision",
-                rule = ::tracing::field::Empty,
-                policy = ::tracing::field::Empty,
-                outcome = ::tracing::field::Empty,
-                remaining = ::tracing::field::Empty,
-                key = ::tracing::field::Empty,
-            ),
+            span: if debug_wanted() { Self::make() } else { None },
         }
+    }
+
+    /// The span itself, if its callsite is enabled.
+    #[cfg(feature = "tracing")]
+    #[cold]
+    #[inline(never)]
+    fn make() -> Option<::tracing::Span> {
+        let span = ::tracing::debug_span!(
+            "tollgate.decision",
+            rule = ::tracing::field::Empty,
+            policy = ::tracing::field::Empty,
+            outcome = ::tracing::field::Empty,
+            remaining = ::tracing::field::Empty,
+            key = ::tracing::field::Empty,
+        );
+        (!span.is_disabled()).then_some(span)
     }
 
     /// Whether anything listens to this span.
@@ -268,7 +295,7 @@ impl DecisionSpan {
     pub(crate) fn enabled(&self) -> bool {
         #[cfg(feature = "tracing")]
         {
-            !self.span.is_disabled()
+            self.span.is_some()
         }
         #[cfg(not(feature = "tracing"))]
         {
@@ -281,7 +308,10 @@ impl DecisionSpan {
     pub(crate) fn in_scope<T>(&self, f: impl FnOnce() -> T) -> T {
         #[cfg(feature = "tracing")]
         {
-            self.span.in_scope(f)
+            match &self.span {
+                Some(span) => span.in_scope(f),
+                None => f(),
+            }
         }
         #[cfg(not(feature = "tracing"))]
         {
@@ -302,7 +332,9 @@ impl DecisionSpan {
             shown.push_str(&trace.show(key));
         }
         #[cfg(feature = "tracing")]
-        self.span.record("key", shown.as_str());
+        if let Some(span) = &self.span {
+            span.record("key", shown.as_str());
+        }
     }
 
     /// Records what was decided, by which rule and policy, and what is left.
@@ -318,16 +350,16 @@ impl DecisionSpan {
             return;
         }
         #[cfg(feature = "tracing")]
-        {
-            self.span.record("outcome", outcome);
+        if let Some(span) = &self.span {
+            span.record("outcome", outcome);
             if let Some(rule) = rule {
-                self.span.record("rule", rule);
+                span.record("rule", rule);
             }
             if let Some(policy) = policy {
-                self.span.record("policy", policy);
+                span.record("policy", policy);
             }
             if let Some(remaining) = remaining {
-                self.span.record("remaining", remaining);
+                span.record("remaining", remaining);
             }
         }
         #[cfg(not(feature = "tracing"))]

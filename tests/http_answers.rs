@@ -1,7 +1,8 @@
 //! What clients see, through a real axum server over loopback: the IETF fields on admitted and
 //! refused responses (parsed back as Structured Fields), 429 with Retry-After, no-store and a
 //! problem+json body, the legacy profile, 503 for a failing store, missing keys, a custom
-//! responder, and the decision handed to the handler.
+//! responder, the decision handed to the handler, and what `t` says for each algorithm (on
+//! the in-process store and on Redis).
 
 mod support;
 
@@ -14,6 +15,7 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use http::{Response, StatusCode};
 use support::{Client, DownStore, serve, store};
+use tollgate::clock::{Clock, ManualClock};
 use tollgate::http::{HeaderProfile, Rejection, RejectionKind, ResetFormat};
 use tollgate::key::{Header, PeerIp};
 use tollgate::limiter::{MissingKey, Rule};
@@ -69,14 +71,15 @@ async fn admitted_responses_carry_the_ietf_fields() {
     let policies = first.policies();
     assert_eq!(policies["burst"], (3, 3));
     assert_eq!(policies["per-minute"], (100, 60));
-    // The policy closest to exhaustion: 2 of 3 left in the burst, full again in 1 s.
+    // The policy closest to exhaustion: 2 of 3 left in the burst, one more back in 1 s.
     assert_eq!(first.header("ratelimit"), Some(r#""burst";r=2;t=1"#));
     assert_eq!(first.ratelimit(), ("burst".into(), 2, 1));
     assert!(first.header("retry-after").is_none());
     assert!(first.header("x-ratelimit-limit").is_none());
 
+    // 1 left: full again in 2 s, but `t` is the time until more quota, one unit, in 1 s.
     let second = client.get("/").await;
-    assert_eq!(second.ratelimit(), ("burst".into(), 1, 2));
+    assert_eq!(second.ratelimit(), ("burst".into(), 1, 1));
 }
 
 #[tokio::test]
@@ -354,6 +357,7 @@ async fn handlers_read_the_decision() {
                 .key(PeerIp::new())
                 .policy(Policy::fixed_window(5, Duration::from_secs(30)).unwrap()),
         )
+        .decision_extension(true)
         .build()
         .unwrap();
     let app = Router::new()
@@ -367,4 +371,105 @@ async fn handlers_read_the_decision() {
     let client = Client::new(serve(app).await);
     assert_eq!(client.get("/").await.text(), "4 of 5 left");
     assert_eq!(client.get("/").await.text(), "3 of 5 left");
+}
+
+/// One rule per algorithm, each keyed by its own header (requests without it skip the rule):
+/// 3 per 30 s, or for the buckets one unit per 10 s with a burst of 3 (w = 30 as well).
+fn one_rule_per_algorithm<St: Store>(store: St) -> RateLimitLayer<St> {
+    let every = Duration::from_secs(10);
+    let window = Duration::from_secs(30);
+    let policies = [
+        ("gcra", Policy::gcra(Rate::new(1, every), 3)),
+        ("token", Policy::token_bucket(Rate::new(1, every), 3)),
+        ("leaky", Policy::leaky_bucket(Rate::new(1, every), 3)),
+        ("fixed", Policy::fixed_window(3, window)),
+        ("log", Policy::sliding_log(3, window)),
+        ("sliding", Policy::sliding_window(3, window)),
+    ];
+    let mut builder = RateLimitLayer::builder(store);
+    for (name, policy) in policies {
+        builder = builder.rule(
+            Rule::new(name)
+                .key(Header::from_static(match name {
+                    "gcra" => "x-gcra",
+                    "token" => "x-token",
+                    "leaky" => "x-leaky",
+                    "fixed" => "x-fixed",
+                    "log" => "x-log",
+                    _ => "x-sliding",
+                }))
+                .on_missing_key(MissingKey::Skip)
+                .policy(policy.unwrap()),
+        );
+    }
+    builder.build().unwrap()
+}
+
+/// `t` says when more quota comes, per algorithm (the crate docs' table): a request at 0 s,
+/// one at 4 s, then more at 4 s until one is refused. Admitted, `t` never passes `w`; refused,
+/// it is `Retry-After`, never less.
+async fn t_says_when_more_quota_comes<St: Store + Clone>(store: St, clock: ManualClock) {
+    let (app, _) = app(one_rule_per_algorithm(store));
+    let client = Client::new(serve(app).await);
+    // (header, t at 0 s, t at 4 s)
+    let expected = [
+        ("x-gcra", 10, 6),     // the next unit: reset_after mod 10 s
+        ("x-token", 10, 6),    //
+        ("x-leaky", 10, 6),    //
+        ("x-fixed", 30, 26),   // the window's end
+        ("x-log", 30, 30),     // full recovery: the newest entry's age out
+        ("x-sliding", 30, 26), // the current window's end
+    ];
+    for (header, at_0, at_4) in expected {
+        let with = [(header, "k")];
+        let get = || client.get_with("/", &with);
+        let first = get().await;
+        assert_eq!(first.status, StatusCode::OK);
+        let (_, r, t) = first.ratelimit();
+        assert_eq!((r, t), (2, at_0), "{header} at 0 s");
+        clock.advance(Duration::from_secs(4));
+        let second = get().await;
+        assert_eq!(second.ratelimit().2, at_4, "{header} at 4 s");
+        let refused = loop {
+            let answer = get().await;
+            let (_, _, t) = answer.ratelimit();
+            let w = answer.policies().values().next().unwrap().1;
+            if answer.status == StatusCode::OK {
+                assert!(t <= w, "{header}: t = {t} past w = {w}");
+                continue;
+            }
+            break answer;
+        };
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{header}");
+        let retry_after = refused.retry_after().unwrap();
+        assert_eq!(
+            refused.ratelimit().2,
+            retry_after as i64,
+            "{header}: t == Retry-After"
+        );
+        // The next algorithm starts at the start of a window.
+        let window = 30_000_000_000;
+        clock.advance(Duration::from_nanos(window - clock.now() % window));
+    }
+}
+
+#[tokio::test]
+async fn t_says_when_more_quota_comes_in_memory() {
+    let (store, clock) = store();
+    t_says_when_more_quota_comes(store, clock).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn t_says_when_more_quota_comes_on_redis() {
+    let server = redis_or_skip!();
+    let clock = ManualClock::new();
+    let store = tollgate::RedisStore::builder()
+        .url(server.url())
+        .injected_clock(clock.clone())
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap();
+    t_says_when_more_quota_comes(store, clock).await;
 }

@@ -8,7 +8,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::routing::get;
 use governor::clock::QuantaInstant;
-use governor::middleware::NoOpMiddleware;
+use governor::middleware::{NoOpMiddleware, StateInformationMiddleware};
 use tollgate::http::HeaderProfile;
 use tollgate::key::PeerIp;
 use tollgate::limiter::Rule;
@@ -22,7 +22,8 @@ pub(crate) fn hello() -> Router {
 }
 
 /// Per IP, 10^9 per second with a burst of 10^9: nobody reaches it, so every request is
-/// admitted (and carries the fields of `profile`).
+/// admitted (and carries the fields of `profile`); with `decision_extension`, the decision
+/// goes into the request's extensions (off by default).
 pub(crate) fn limited(
     profile: HeaderProfile,
     decision_extension: bool,
@@ -43,6 +44,20 @@ pub(crate) fn governor() -> GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware<Qua
     let config = GovernorConfigBuilder::default()
         .per_nanosecond(1)
         .burst_size(u32::MAX)
+        .finish()
+        .unwrap_or_else(|| panic!("governor config"));
+    GovernorLayer::new(Arc::new(config))
+}
+
+/// The same with tower_governor's own headers on every response (`use_headers`:
+/// `x-ratelimit-limit` and `x-ratelimit-remaining` on admitted requests): tollgate's like for
+/// like, since tollgate sends its fields by default.
+pub(crate) fn governor_with_headers()
+-> GovernorLayer<PeerIpKeyExtractor, StateInformationMiddleware, Body> {
+    let config = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(u32::MAX)
+        .use_headers()
         .finish()
         .unwrap_or_else(|| panic!("governor config"));
     GovernorLayer::new(Arc::new(config))

@@ -27,6 +27,7 @@ mod body;
 pub use body::{RefusalBody, ResponseBody};
 
 use std::fmt::{self, Write as _};
+use std::sync::OnceLock;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -36,7 +37,7 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode};
 
 use http::HeaderName;
 
-use crate::{Decision, StoreError};
+use crate::{Algorithm, Decision, Policy, StoreError};
 
 /// `RateLimit` (draft-ietf-httpapi-ratelimit-headers): the policy closest to exhaustion.
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
@@ -73,18 +74,20 @@ const QUOTA_EXCEEDED_TITLE: &str =
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HeaderProfile {
-    /// `RateLimit-Policy` and `RateLimit` as in draft-ietf-httpapi-ratelimit-headers-10:
+    /// `RateLimit-Policy` and `RateLimit` as in draft-ietf-httpapi-ratelimit-headers:
     /// `RateLimit-Policy: "per-minute";q=100;w=60` lists every policy that applied (`q` the
     /// limit, `w` the window in seconds, for a bucket the time an empty burst takes to refill)
     /// and `RateLimit: "per-minute";r=42;t=18` reports the policy that runs out first for
-    /// requests like this one (the fewest further requests at their cost) (`r`
-    /// what remains, `t` the seconds until it has fully recovered; on a refusal, the seconds
-    /// until the request may be retried, so `t` never exceeds `Retry-After`).
+    /// requests like this one (the fewest further requests at their cost): `r` what remains,
+    /// `t` the seconds until more quota is made available (per algorithm: see
+    /// [the layer's docs](crate::http#what-the-fields-say)); on a refusal, the seconds until
+    /// the request may be retried, the same number as `Retry-After`.
     #[default]
     Ietf,
     /// `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` for the policy
-    /// closest to exhaustion: widely deployed, never standardised. Reset is in delta seconds
-    /// (the same number as `t`) unless [`ResetFormat::UnixSeconds`] is chosen.
+    /// that runs out first: widely deployed, never standardised. Reset is the time until the
+    /// policy has fully recovered (on a refusal, until the retry), in delta seconds unless
+    /// [`ResetFormat::UnixSeconds`] is chosen.
     Legacy,
     /// Both of the above.
     Both,
@@ -123,32 +126,24 @@ pub(crate) struct FieldValues {
 }
 
 impl FieldValues {
-    /// The fields for `decision`, whose `RateLimit` item starts with `item` (`"name";r=`),
+    /// The fields for `decision`, made by `policy`, whose `RateLimit` values `status` makes,
     /// with the `RateLimit-Policy` value of the policies that applied.
     #[inline]
     pub(crate) fn new(
         profile: HeaderProfile,
         reset: ResetFormat,
         decision: &Decision,
-        item: &str,
-        policy: impl FnOnce() -> Option<HeaderValue>,
+        policy: &Policy,
+        status: &StatusField,
+        policy_field: impl FnOnce() -> Option<HeaderValue>,
     ) -> Self {
-        let t = reset_secs(decision);
         let mut values = FieldValues::default();
         if profile.ietf() {
-            values.policy = policy();
-            values.status = status_value(item, decision.remaining(), t);
+            values.policy = policy_field();
+            values.status = status.value(decision.remaining(), t_secs(decision, policy));
         }
         if profile.legacy() {
-            let reset = match reset {
-                ResetFormat::DeltaSeconds => t,
-                ResetFormat::UnixSeconds => unix_now().saturating_add(t),
-            };
-            values.legacy = Some(Box::new([
-                HeaderValue::from(decision.limit()),
-                HeaderValue::from(decision.remaining()),
-                HeaderValue::from(reset),
-            ]));
+            values.legacy = Some(Box::new(legacy_values(reset, decision)));
         }
         values
     }
@@ -180,30 +175,234 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// `RateLimit: "name";r=R;t=T` from its start `"name";r=`: the digits are formatted on the
-/// stack and the text written once into the value's own buffer (its only allocation), which
-/// the value then takes over without a copy.
-#[inline(always)]
-fn status_value(item: &str, r: u64, t: u64) -> Option<HeaderValue> {
-    use crate::limiter::SF_INTEGER_MAX;
-    let (r, t) = (r.min(SF_INTEGER_MAX), t.min(SF_INTEGER_MAX));
-    let mut r_digits = itoa::Buffer::new();
-    let r = r_digits.format(r).as_bytes();
-    let mut t_digits = itoa::Buffer::new();
-    let t = t_digits.format(t).as_bytes();
-    let mut text = Vec::with_capacity(item.len() + r.len() + 3 + t.len());
-    text.extend_from_slice(item.as_bytes());
-    text.extend_from_slice(r);
-    text.extend_from_slice(b";t=");
-    text.extend_from_slice(t);
-    HeaderValue::from_maybe_shared(Bytes::from(text)).ok()
+/// The legacy trio: the limit, what remains, and the reset (seconds until full recovery, or
+/// until the retry when refused; or that moment as a Unix time).
+#[cold]
+fn legacy_values(reset: ResetFormat, decision: &Decision) -> [HeaderValue; 3] {
+    let secs = decision
+        .retry_after_secs()
+        .unwrap_or_else(|| decision.reset_after_secs());
+    let reset = match reset {
+        ResetFormat::DeltaSeconds => secs,
+        ResetFormat::UnixSeconds => unix_now().saturating_add(secs),
+    };
+    [
+        HeaderValue::from(decision.limit()),
+        HeaderValue::from(decision.remaining()),
+        HeaderValue::from(reset),
+    ]
 }
 
-/// `t`: seconds until full recovery when admitted, until the retry when refused.
-fn reset_secs(decision: &Decision) -> u64 {
-    decision
-        .retry_after_secs()
-        .unwrap_or_else(|| decision.reset_after_secs())
+/// `RateLimit`'s `t` for `decision`, made by `policy`: the seconds until more quota is made
+/// available (draft-ietf-httpapi-ratelimit-headers), rounded up; on a refusal, the seconds
+/// until this request may be retried (the same number as `Retry-After`, never less).
+///
+/// - **Buckets** (token bucket, leaky bucket, GCRA): until the next unit refills, i.e.
+///   [`Decision::reset_after`] modulo the interval (a whole interval when it divides
+///   exactly; 0 when the bucket is full).
+/// - **Fixed window**: until the window ends ([`Decision::reset_after`]).
+/// - **Sliding log**: until the log has fully recovered ([`Decision::reset_after`], at most
+///   the window): the oldest entry may leave sooner, so clients wait a little more than they
+///   must, never less.
+/// - **Sliding window counter**: until the current window ends (the counts of the current
+///   window stop counting fully then), so never more than the window.
+pub(crate) fn t_secs(decision: &Decision, policy: &Policy) -> u64 {
+    if let Some(retry) = decision.retry_after_secs() {
+        return retry;
+    }
+    let reset = saturating_nanos(decision.reset_after());
+    let period = policy.period_nanos();
+    let nanos = match policy.algorithm() {
+        Algorithm::Gcra | Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            match reset.checked_rem(period) {
+                _ if reset == 0 => 0,
+                Some(0) | None => period,
+                Some(part) => part,
+            }
+        }
+        Algorithm::FixedWindow | Algorithm::SlidingLog => reset,
+        Algorithm::SlidingWindow if reset > period => reset - period,
+        Algorithm::SlidingWindow => reset,
+    };
+    nanos.div_ceil(1_000_000_000)
+}
+
+fn saturating_nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The `RateLimit` values of one policy: `"name";r=R;t=T`, made once per `(r, t)` and shared.
+///
+/// A policy sends few distinct pairs (`r` is at most its limit, `t` at most its window), so
+/// each pair's value is made the first time it is sent and kept in one of at most
+/// [`STATUS_SLOTS`] slots of this policy (indexed by the pair when all its pairs fit, else by
+/// a hash of it, the first pair to come keeping a slot). A kept value is static (its text is
+/// kept for the life of the process, once per distinct text, at most [`STATUS_TEXTS`] texts
+/// and [`STATUS_TEXT_BYTES`] bytes of text in all), so that sending it writes no reference count: the cores serving
+/// requests would otherwise all write one shared counter per response. A pair that finds its
+/// slot taken by another, or comes after the texts' bound is reached, gets a value of its own,
+/// as every response once did. The slots are allocated the first time the policy sends a
+/// value, and freed with the layer.
+pub(crate) struct StatusField {
+    /// `"name";r=`.
+    item: Box<str>,
+    /// `t` of the last pair indexed directly; past it, or past `r` = `direct_r`, hashed.
+    direct_t: u64,
+    direct_r: u64,
+    /// Whether every pair of the policy has a slot of its own.
+    direct: bool,
+    slots: OnceLock<Box<[OnceLock<Made>]>>,
+}
+
+/// A `RateLimit` value made for one `(r, t)`.
+struct Made {
+    r: u64,
+    t: u64,
+    value: HeaderValue,
+}
+
+/// The most slots one policy keeps `RateLimit` values in.
+pub(crate) const STATUS_SLOTS: usize = 1024;
+
+/// The most `RateLimit` texts kept for the life of the process, over all policies.
+pub(crate) const STATUS_TEXTS: usize = 6 * 1024;
+
+/// The most bytes of `RateLimit` texts kept for the life of the process, over all policies.
+pub(crate) const STATUS_TEXT_BYTES: usize = 1 << 20;
+
+impl StatusField {
+    /// The values of a policy called `name`.
+    pub(crate) fn new(name: &str, policy: &Policy) -> Self {
+        use crate::limiter::SF_INTEGER_MAX;
+        let window = policy.window().as_nanos().div_ceil(1_000_000_000);
+        let direct_t = u64::try_from(window)
+            .unwrap_or(u64::MAX)
+            .min(SF_INTEGER_MAX);
+        let direct_r = policy.limit().min(SF_INTEGER_MAX);
+        let pairs = (u128::from(direct_r) + 1) * (u128::from(direct_t) + 1);
+        StatusField {
+            item: format!("\"{name}\";r=").into(),
+            direct_t,
+            direct_r,
+            direct: pairs <= STATUS_SLOTS as u128,
+            slots: OnceLock::new(),
+        }
+    }
+
+    /// The slot of `(r, t)`: none for a pair outside the policy's own (a refusal's `t`
+    /// past the window) when every pair of the policy has a slot of its own.
+    #[inline(always)]
+    fn slot(&self, r: u64, t: u64) -> Option<usize> {
+        if !self.direct {
+            let mixed = (r ^ t.rotate_left(32)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            return Some((mixed >> (64 - STATUS_SLOTS.trailing_zeros())) as usize);
+        }
+        // Then (direct_r + 1) * (direct_t + 1) <= STATUS_SLOTS: no overflow.
+        (r <= self.direct_r && t <= self.direct_t).then(|| (r * (self.direct_t + 1) + t) as usize)
+    }
+
+    /// `"name";r=R;t=T`.
+    #[inline]
+    pub(crate) fn value(&self, r: u64, t: u64) -> Option<HeaderValue> {
+        use crate::limiter::SF_INTEGER_MAX;
+        let (r, t) = (r.min(SF_INTEGER_MAX), t.min(SF_INTEGER_MAX));
+        let slots = self.slots.get_or_init(|| {
+            let n = if self.direct {
+                ((self.direct_r + 1) * (self.direct_t + 1)) as usize
+            } else {
+                STATUS_SLOTS
+            };
+            (0..n).map(|_| OnceLock::new()).collect()
+        });
+        let Some(slot) = self.slot(r, t).and_then(|i| slots.get(i)) else {
+            return self.make(r, t);
+        };
+        match slot.get() {
+            Some(made) if made.r == r && made.t == t => Some(made.value.clone()),
+            Some(_) => self.make(r, t),
+            None => self.keep(slot, r, t),
+        }
+    }
+
+    /// A value of its own, as every response once had.
+    #[cold]
+    fn make(&self, r: u64, t: u64) -> Option<HeaderValue> {
+        HeaderValue::from_maybe_shared(Bytes::from(self.text(r, t))).ok()
+    }
+
+    /// Makes the value of `(r, t)`, static if the texts' bound allows, and keeps it in `slot`.
+    #[cold]
+    fn keep(&self, slot: &OnceLock<Made>, r: u64, t: u64) -> Option<HeaderValue> {
+        let text = self.text(r, t);
+        let Some(text) = keep_text(text) else {
+            return self.make(r, t);
+        };
+        let made = slot.get_or_init(|| Made {
+            r,
+            t,
+            value: HeaderValue::from_static(text),
+        });
+        if made.r == r && made.t == t {
+            Some(made.value.clone())
+        } else {
+            self.make(r, t)
+        }
+    }
+
+    fn text(&self, r: u64, t: u64) -> Vec<u8> {
+        let mut r_digits = itoa::Buffer::new();
+        let r = r_digits.format(r).as_bytes();
+        let mut t_digits = itoa::Buffer::new();
+        let t = t_digits.format(t).as_bytes();
+        let mut text = Vec::with_capacity(self.item.len() + r.len() + 3 + t.len());
+        text.extend_from_slice(self.item.as_bytes());
+        text.extend_from_slice(r);
+        text.extend_from_slice(b";t=");
+        text.extend_from_slice(t);
+        text
+    }
+}
+
+impl fmt::Debug for StatusField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StatusField")
+            .field("item", &self.item)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `text` kept for the life of the process (once per distinct text), if it is visible ASCII
+/// (what `HeaderValue::from_static` takes) and the bounds on kept texts allow.
+///
+/// The set of kept texts is made at its full size the first time, so that keeping a text
+/// never grows it: a request allocates as much whether its text was kept before or not (its
+/// text is made either way, then kept or dropped).
+fn keep_text(text: Vec<u8>) -> Option<&'static str> {
+    use std::collections::HashSet;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{LazyLock, Mutex};
+    type Kept = (HashSet<&'static str>, usize);
+    static KEPT: LazyLock<Mutex<Kept>> =
+        LazyLock::new(|| Mutex::new((HashSet::with_capacity(STATUS_TEXTS), 0)));
+    // Set once a bound is reached: no lock is taken after that.
+    static FULL: AtomicBool = AtomicBool::new(false);
+    if FULL.load(Ordering::Relaxed) || !text.iter().all(|b| (b' '..=b'~').contains(b)) {
+        return None;
+    }
+    let text = String::from_utf8(text).ok()?;
+    let mut kept = KEPT.lock().ok()?;
+    let (set, bytes) = &mut *kept;
+    if let Some(&text) = set.get(text.as_str()) {
+        return Some(text);
+    }
+    if set.len() >= STATUS_TEXTS || *bytes + text.len() > STATUS_TEXT_BYTES {
+        FULL.store(true, Ordering::Relaxed);
+        return None;
+    }
+    *bytes += text.len();
+    let text: &'static str = Box::leak(text.into_boxed_str());
+    set.insert(text);
+    Some(text)
 }
 
 /// Why a request was refused.
@@ -599,7 +798,10 @@ pub(crate) fn is_grpc(parts: &Parts) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
     use super::*;
+    use crate::Rate;
 
     #[test]
     fn encoders() {
@@ -618,10 +820,90 @@ mod tests {
     /// Integers past Structured Fields' 15 digits are sent as the largest one.
     #[test]
     fn field_integers_fit_structured_fields() {
-        let value = status_value("\"p\";r=", u64::MAX, u64::MAX).unwrap();
+        let policy = Policy::fixed_window(u64::MAX, Duration::from_secs(60)).unwrap();
+        let field = StatusField::new("p", &policy);
+        let value = field.value(u64::MAX, u64::MAX).unwrap();
         assert_eq!(value, "\"p\";r=999999999999999;t=999999999999999");
-        let value = status_value("\"p\";r=", 999_999_999_999_999, 7).unwrap();
+        let value = field.value(999_999_999_999_999, 7).unwrap();
         assert_eq!(value, "\"p\";r=999999999999999;t=7");
+    }
+
+    /// Each `(r, t)` pair's value is made once and then shared, static; pairs that find their
+    /// slot taken get values of their own; every value says what it should.
+    #[test]
+    fn status_values_are_made_once_per_pair() {
+        let same =
+            |a: &HeaderValue, b: &HeaderValue| a.as_bytes().as_ptr() == b.as_bytes().as_ptr();
+        // 11 x 61 pairs: a slot each.
+        let small = StatusField::new(
+            "small",
+            &Policy::fixed_window(10, Duration::from_secs(60)).unwrap(),
+        );
+        assert!(small.direct);
+        let mut seen = HashMap::new();
+        for round in 0..2 {
+            for r in 0..=10 {
+                for t in 0..=60 {
+                    let value = small.value(r, t).unwrap();
+                    assert_eq!(value, format!("\"small\";r={r};t={t}").as_str());
+                    match round {
+                        0 => assert!(seen.insert((r, t), value).is_none()),
+                        _ => assert!(same(&seen[&(r, t)], &value), "{r} {t}"),
+                    }
+                }
+            }
+        }
+        // A refusal's t past the window: right, though not kept.
+        assert_eq!(small.value(0, 3600).unwrap(), "\"small\";r=0;t=3600");
+        // Too many pairs for a slot each: hashed, the first pair keeps a slot.
+        let large = StatusField::new(
+            "large",
+            &Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000).unwrap(),
+        );
+        assert!(!large.direct);
+        let a = large.value(999_999_999, 1).unwrap();
+        assert!(same(&a, &large.value(999_999_999, 1).unwrap()));
+        let mut distinct = 0;
+        for r in 0..5_000 {
+            let value = large.value(r, 1).unwrap();
+            assert_eq!(value, format!("\"large\";r={r};t=1").as_str());
+            distinct += usize::from(!same(&value, &large.value(r, 1).unwrap()));
+        }
+        // Some pairs found their slot taken: values of their own.
+        assert!(distinct > 0 && distinct < 5_000, "{distinct}");
+    }
+
+    /// `t`: the seconds until more quota is available, per algorithm; on a refusal, the
+    /// retry (never less than `Retry-After`); never more than the window when admitted.
+    #[test]
+    fn t_is_the_time_until_more_quota() {
+        let secs = Duration::from_secs;
+        let ms = Duration::from_millis;
+        let admitted = |reset| Decision::admitted(10, 3, reset);
+        // GCRA, 2 per second: an interval of 500 ms.
+        let gcra = Policy::gcra(Rate::per_second(2), 10).unwrap();
+        assert_eq!(t_secs(&admitted(ms(3_200)), &gcra), 1); // 200 ms to the next unit
+        assert_eq!(t_secs(&admitted(ms(3_000)), &gcra), 1); // exactly 6 intervals: 500 ms
+        assert_eq!(t_secs(&admitted(Duration::ZERO), &gcra), 0);
+        // A token bucket of one per 90 s: 30 s left of the interval.
+        let slow = Policy::token_bucket(Rate::new(1, secs(90)), 3).unwrap();
+        assert_eq!(t_secs(&admitted(secs(120)), &slow), 30);
+        let leaky = Policy::leaky_bucket(Rate::new(1, secs(90)), 3).unwrap();
+        assert_eq!(t_secs(&admitted(secs(180)), &leaky), 90);
+        // Windows: the end of the window; the sliding log's full recovery.
+        let fixed = Policy::fixed_window(10, secs(60)).unwrap();
+        assert_eq!(t_secs(&admitted(ms(18_001)), &fixed), 19);
+        let log = Policy::sliding_log(10, secs(60)).unwrap();
+        assert_eq!(t_secs(&admitted(secs(59)), &log), 59);
+        // The sliding window counter: the current window's end, never past the window.
+        let sliding = Policy::sliding_window(10, secs(60)).unwrap();
+        assert_eq!(t_secs(&admitted(secs(111)), &sliding), 51);
+        assert_eq!(t_secs(&admitted(secs(40)), &sliding), 40);
+        // A refusal: the retry, whatever the algorithm.
+        let refused = Decision::rejected(10, 0, secs(111), ms(2_500));
+        for policy in [&gcra, &slow, &leaky, &fixed, &log, &sliding] {
+            assert_eq!(t_secs(&refused, policy), 3);
+        }
     }
 
     /// gRPC and gRPC-Web are recognised whatever the case of the media type, and a gRPC-Web
@@ -668,12 +950,15 @@ mod tests {
     #[test]
     fn fields_follow_the_profile() {
         let d = Decision::rejected(10, 0, Duration::from_secs(60), Duration::from_millis(2500));
+        let policy = Policy::fixed_window(10, Duration::from_secs(60)).unwrap();
+        let status = StatusField::new("p", &policy);
         let mut headers = HeaderMap::new();
         FieldValues::new(
             HeaderProfile::Both,
             ResetFormat::DeltaSeconds,
             &d,
-            "\"p\";r=",
+            &policy,
+            &status,
             || Some(HeaderValue::from_static("\"p\";q=10;w=60")),
         )
         .apply(&mut headers);
@@ -686,7 +971,8 @@ mod tests {
             HeaderProfile::Off,
             ResetFormat::UnixSeconds,
             &d,
-            "p",
+            &policy,
+            &status,
             || None,
         )
         .apply(&mut headers);
@@ -696,7 +982,8 @@ mod tests {
             HeaderProfile::Legacy,
             ResetFormat::UnixSeconds,
             &d,
-            "p",
+            &policy,
+            &status,
             || None,
         )
         .apply(&mut headers);

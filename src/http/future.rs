@@ -17,7 +17,7 @@ use tower_service::Service;
 use super::layer::Shared;
 use crate::answer::RefusalBody;
 use crate::answer::{FieldValues, HeaderProfile, Rejection, RejectionKind};
-use crate::limiter::{Applied, NoKey, Plan, ShadowPlan, ShadowRejection, Start};
+use crate::limiter::{Applied, NoKey, Plan, ShadowPlan, ShadowRejection, Single, Start};
 use crate::telemetry::DecisionSpan;
 use crate::{Decision, Store, StoreError};
 
@@ -157,10 +157,7 @@ where
     pub(crate) fn call(shared: &Arc<Shared<St>>, inner: &mut S, request: Request<B>) -> Self {
         let (mut parts, body) = request.into_parts();
         let span = DecisionSpan::new();
-        let next = span.in_scope(|| {
-            let start = shared.limiter.start(&parts, &span);
-            shared.started(start, &mut parts, &span)
-        });
+        let next = span.in_scope(|| shared.start(&mut parts, &span));
         let state = match next {
             Next::Call(fields) => State::Calling {
                 fut: inner.call(Request::from_parts(parts, body)),
@@ -337,6 +334,73 @@ where
 }
 
 impl<St: Store> Shared<St> {
+    /// Plans the request and asks the store; with an in-process store, decides.
+    #[inline(always)]
+    fn start(&self, parts: &mut Parts, span: &DecisionSpan) -> Next<St::Future> {
+        if self.limiter.is_single() {
+            return self.start_single(parts, span);
+        }
+        let start = self.limiter.start(parts, span);
+        self.started(start, parts, span)
+    }
+
+    /// [`Shared::start`] for the one rule with one policy of a `single` limiter: the same
+    /// answers, without the list of applied rules, when the store answers at once.
+    #[inline(always)]
+    fn start_single(&self, parts: &mut Parts, span: &DecisionSpan) -> Next<St::Future> {
+        let (check, applied) = match self.limiter.check_single(parts, span) {
+            Single::Checked { check, applied } => (check, applied),
+            Single::Skip => {
+                span.record("unchecked", None, None, None);
+                return Next::Call(None);
+            }
+            Single::NoKey(no_key) => {
+                self.limiter.observe_no_key(no_key, span);
+                return Next::Answer(self.no_key(parts, no_key));
+            }
+        };
+        let result = match now(check) {
+            Ok(result) => result,
+            Err(check) => {
+                let mut list = SmallVec::new();
+                list.push(applied);
+                return Next::Check {
+                    check,
+                    applied: list,
+                    shadow: None,
+                };
+            }
+        };
+        self.limiter.observe_single(&applied, &result, span);
+        match result {
+            Ok(d) if d.allowed() => {
+                if self.decision_extension {
+                    parts.extensions.insert(d);
+                }
+                Next::Call(self.single_fields(&d))
+            }
+            Ok(d) => Next::Answer(self.limited(parts, &d, std::slice::from_ref(&applied))),
+            Err(e) => Next::Answer(self.unavailable(parts, &e)),
+        }
+    }
+
+    /// [`Shared::fields`] for the one policy of a `single` limiter.
+    #[inline(always)]
+    fn single_fields(&self, decision: &Decision) -> Option<FieldValues> {
+        if self.profile == HeaderProfile::Off {
+            return None;
+        }
+        let (_, set, policy) = self.limiter.single()?;
+        Some(FieldValues::new(
+            self.profile,
+            self.reset,
+            decision,
+            policy,
+            set.statuses.first()?,
+            || Some(set.field_value.clone()),
+        ))
+    }
+
     /// Where a request stands once its rules are planned and the store asked.
     #[inline(always)]
     fn started(
@@ -458,12 +522,13 @@ impl<St: Store> Shared<St> {
         if self.profile == HeaderProfile::Off {
             return None;
         }
-        let item = self.limiter.item(applied, decision.index())?;
+        let (policy, status) = self.limiter.status(applied, decision.index())?;
         Some(FieldValues::new(
             self.profile,
             self.reset,
             decision,
-            item,
+            policy,
+            status,
             || self.policy_field(applied),
         ))
     }

@@ -2,10 +2,12 @@
 //! front of any tower HTTP service (axum, tonic, hyper) and answers with what clients
 //! understand.
 //!
-//! - **Admitted** requests reach the inner service with their [`Decision`](crate::Decision)
-//!   in the request extensions, and the response gains the IETF `RateLimit-Policy` and
-//!   `RateLimit` fields (or the legacy `X-RateLimit-*` trio, or both, or none: see
-//!   [`HeaderProfile`]).
+//! - **Admitted** requests reach the inner service, and the response gains the IETF
+//!   `RateLimit-Policy` and `RateLimit` fields (or the legacy `X-RateLimit-*` trio, or both,
+//!   or none: see [`HeaderProfile`]). Handlers that want the [`Decision`](crate::Decision)
+//!   itself (in axum, `Extension<Decision>`) turn on
+//!   [`decision_extension(true)`](RateLimitLayerBuilder::decision_extension): it is off by
+//!   default, since it costs an allocation per request.
 //! - **Refused** requests never reach it: `429 Too Many Requests` with `Retry-After`,
 //!   `Cache-Control: no-store` and an RFC 9457 `application/problem+json` body; a store that
 //!   cannot decide gives `503` with `Retry-After`; a gRPC request gets HTTP 200 with
@@ -77,6 +79,67 @@
 //! let third = service.ready().await?.call(request()).await?;
 //! assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
 //! assert_eq!(third.headers()["retry-after"], "1");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What the fields say
+//!
+//! `RateLimit-Policy: "name";q=Q;w=W` lists every policy that applied to the request: `q` its
+//! limit (a bucket's burst), `w` its window in seconds (for a bucket, the time an empty burst
+//! takes to refill). `RateLimit: "name";r=R;t=T` reports one of them, the one that runs out
+//! first for requests like this one (the fewest further requests at their cost): `r` the
+//! units left, and `t` what the IETF draft (draft-ietf-httpapi-ratelimit-headers) defines,
+//! "the number of seconds until additional quota associated with the quota policy is made
+//! available", rounded up:
+//!
+//! | algorithm | `t` on an admitted request | example (3 per 30 s, or 1 per 10 s with a burst of 3: `w=30`), requests at 0 s and 4 s |
+//! | --- | --- | --- |
+//! | GCRA, token bucket, leaky bucket | until the next unit is back: the time to full recovery modulo the interval (a whole interval when it divides exactly, 0 when full) | `r=2;t=10`, then `r=1;t=6` |
+//! | fixed window | until the window ends | `r=2;t=30`, then `r=1;t=26` |
+//! | sliding log | until the log has fully recovered (at most the window; its oldest entry may leave sooner, so a client waits a little more than it must, never less) | `r=2;t=30`, then `r=1;t=30` |
+//! | sliding window counter | until the current window ends (never more than the window) | `r=2;t=30`, then `r=1;t=26` |
+//!
+//! On a refusal, `t` is the time until this request may be retried, the same number as
+//! `Retry-After` (the draft asks that `Retry-After` never point before `t`). The legacy
+//! `X-RateLimit-Reset` keeps its usual meaning, the time until the policy has fully recovered
+//! (on a refusal, until the retry); the exact figure is [`Decision::reset_after`](crate::Decision::reset_after).
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use std::time::Duration;
+//! use http::{Request, Response};
+//! use tower::{ServiceBuilder, ServiceExt};
+//! use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer};
+//! use tollgate::clock::ManualClock;
+//! use tollgate::limiter::Rule;
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let ten_s = Rate::new(1, Duration::from_secs(10));
+//! let half_minute = Duration::from_secs(30);
+//! for (policy, at_0, at_4) in [
+//!     (Policy::gcra(ten_s, 3)?, "r=2;t=10", "r=1;t=6"),
+//!     (Policy::token_bucket(ten_s, 3)?, "r=2;t=10", "r=1;t=6"),
+//!     (Policy::leaky_bucket(ten_s, 3)?, "r=2;t=10", "r=1;t=6"),
+//!     (Policy::fixed_window(3, half_minute)?, "r=2;t=30", "r=1;t=26"),
+//!     (Policy::sliding_log(3, half_minute)?, "r=2;t=30", "r=1;t=30"),
+//!     (Policy::sliding_window(3, half_minute)?, "r=2;t=30", "r=1;t=26"),
+//! ] {
+//!     let clock = ManualClock::new();
+//!     let limits = RateLimitLayer::builder(MemoryStore::with_clock(clock.clone()))
+//!         .rule(Rule::new("p").policy(policy))
+//!         .build()?;
+//!     let service = ServiceBuilder::new().layer(limits).service_fn(|_: Request<()>| async {
+//!         Ok::<_, Infallible>(Response::new(String::new()))
+//!     });
+//!     let t = |response: Response<String>| response.headers()["ratelimit"].to_str().map(str::to_owned);
+//!     let first = service.clone().oneshot(Request::new(())).await?;
+//!     assert_eq!(t(first)?, format!("\"p\";{at_0}"));
+//!     clock.advance(Duration::from_secs(4));
+//!     let second = service.clone().oneshot(Request::new(())).await?;
+//!     assert_eq!(t(second)?, format!("\"p\";{at_4}"));
+//! }
 //! # Ok(())
 //! # }
 //! ```

@@ -60,7 +60,8 @@ mod rule;
 mod tier;
 
 pub(crate) use plan::{
-    Applied, NoKey, Plan, SF_INTEGER_MAX, ShadowPlan, Start, field_value, hashed_key, valid_name,
+    Applied, NoKey, Plan, SF_INTEGER_MAX, ShadowPlan, Single, Start, field_value, hashed_key,
+    valid_name,
 };
 pub use plan::{Limiter, LimiterBuilder, LimiterError, ShadowRejection};
 pub(crate) use rule::Matcher;

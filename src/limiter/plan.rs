@@ -9,6 +9,7 @@ use smallvec::SmallVec;
 
 use super::rule::{Cost, MissingKey, Route, Rule};
 use super::tier::TierLookup;
+use crate::answer::StatusField;
 use crate::key::{Key, KeyExtractor, MAX_KEY_LEN};
 use crate::store::{Check, Store};
 use crate::telemetry::{Counter, DecisionSpan, KeyTrace, METRICS};
@@ -322,8 +323,8 @@ pub(crate) struct PolicySet {
     pub(crate) policies: Box<[Policy]>,
     /// The name of each policy in the `RateLimit` fields and problem details.
     pub(crate) names: Box<[Arc<str>]>,
-    /// The start of each policy's `RateLimit` item: `"name";r=`.
-    pub(crate) items: Box<[Box<str>]>,
+    /// Each policy's `RateLimit` values (`"name";r=R;t=T`).
+    pub(crate) statuses: Box<[StatusField]>,
     /// This set's members of the `RateLimit-Policy` field, as text and as a header value.
     pub(crate) field: Box<str>,
     pub(crate) field_value: HeaderValue,
@@ -508,7 +509,11 @@ impl PolicySet {
         }
         let field_value = field_value(&field)
             .ok_or_else(|| LimiterError::InvalidRuleName(rule.chars().take(80).collect()))?;
-        let items = names.iter().map(|n| format!("\"{n}\";r=").into()).collect();
+        let statuses = names
+            .iter()
+            .zip(&policies)
+            .map(|(n, p)| StatusField::new(n, p))
+            .collect();
         let metrics = names
             .iter()
             .map(|n| PolicyMetrics::new(rule, n, shadow))
@@ -516,7 +521,7 @@ impl PolicySet {
         Ok(PolicySet {
             metrics,
             policies: policies.into(),
-            items,
+            statuses,
             names,
             field: field.into(),
             field_value,
@@ -556,6 +561,16 @@ pub(crate) struct Applied {
 
 /// Shadow rules waiting for the enforced decision.
 pub(crate) type ShadowPlan = Vec<Planned>;
+
+/// Where the one rule of a `single` limiter leaves a request.
+pub(crate) enum Single<F> {
+    /// The rule does not apply (or has no key and skips such requests).
+    Skip,
+    /// The rule found no key and refuses the request.
+    NoKey(NoKey),
+    /// The store was asked.
+    Checked { check: F, applied: Applied },
+}
 
 /// Where a request stands after `call()`.
 pub(crate) enum Start<F> {
@@ -620,33 +635,109 @@ impl<St: Store> Limiter<St> {
     /// without building a plan.
     #[inline(always)]
     fn start_single(&self, parts: &Parts, span: &DecisionSpan) -> Start<St::Future> {
+        match self.check_single(parts, span) {
+            Single::Skip => Start::Unchecked { shadow: None },
+            Single::NoKey(no_key) => Start::NoKey(no_key),
+            Single::Checked { check, applied } => {
+                let mut list = SmallVec::new();
+                list.push(applied);
+                Start::Checking {
+                    check,
+                    applied: list,
+                    shadow: None,
+                }
+            }
+        }
+    }
+
+    /// Whether the limiter is one rule with one policy, no tiers and no shadow mode (see
+    /// [`Limiter::check_single`]).
+    #[inline(always)]
+    pub(crate) fn is_single(&self) -> bool {
+        self.single
+    }
+
+    /// Asks the store about the one rule of a `single` limiter.
+    #[inline(always)]
+    pub(crate) fn check_single(&self, parts: &Parts, span: &DecisionSpan) -> Single<St::Future> {
         let Some(rule) = self.rules.first() else {
-            return Start::Unchecked { shadow: None };
+            return Single::Skip;
         };
         if !rule.matches(parts) {
-            return Start::Unchecked { shadow: None };
+            return Single::Skip;
         }
         let key = match rule_key(rule, 0, parts) {
-            Err(no_key) => return Start::NoKey(no_key),
-            Ok(None) => return Start::Unchecked { shadow: None },
+            Err(no_key) => return Single::NoKey(no_key),
+            Ok(None) => return Single::Skip,
             Ok(Some(key)) => bounded(rule, key),
         };
-        let policy = &self.set(0, 0).policies[0];
+        let Some(policy) = rule.sets.first().and_then(|set| set.policies.first()) else {
+            return Single::Skip;
+        };
         let cost = rule.cost.of(parts);
-        let mut applied = SmallVec::new();
-        applied.push(Applied {
-            rule: 0,
-            set: 0,
-            #[cfg(feature = "metrics")]
-            cost,
-        });
         span.record_keys(self.key_trace, std::iter::once(key.as_str()));
-        Start::Checking {
+        Single::Checked {
             check: self
                 .store
                 .check(key.as_str(), policy, cost.min(policy.limit())),
-            applied,
-            shadow: None,
+            applied: Applied {
+                rule: 0,
+                set: 0,
+                #[cfg(feature = "metrics")]
+                cost,
+            },
+        }
+    }
+
+    /// The one policy of a `single` limiter, its set and its rule.
+    #[inline(always)]
+    pub(crate) fn single(&self) -> Option<(&CompiledRule, &PolicySet, &Policy)> {
+        let rule = self.rules.first()?;
+        let set = rule.sets.first()?;
+        Some((rule, set, set.policies.first()?))
+    }
+
+    /// [`Limiter::observe`] for the one policy of a `single` limiter.
+    #[inline(always)]
+    pub(crate) fn observe_single(
+        &self,
+        applied: &Applied,
+        result: &Result<Decision, StoreError>,
+        span: &DecisionSpan,
+    ) {
+        if !METRICS && !span.enabled() {
+            return;
+        }
+        let Some((rule, set, policy)) = self.single() else {
+            return;
+        };
+        let Some(metrics) = set.metrics.first() else {
+            return;
+        };
+        match result {
+            Ok(d) if d.allowed() && !d.reached_backend() => {
+                // Admitted by the failure policy: nothing was consumed from the store.
+                rule.failure_policy.increment(1);
+                span.record("failure_policy", Some(&rule.name), None, None);
+                return;
+            }
+            Ok(d) if d.allowed() => {
+                rule.admitted.increment(1);
+                #[cfg(feature = "metrics")]
+                metrics.cost.increment(applied.cost.min(policy.limit()));
+            }
+            Ok(_) => metrics.limited.increment(1),
+            Err(_) => rule.store_error.increment(1),
+        }
+        #[cfg(not(feature = "metrics"))]
+        let _ = (applied, policy);
+        match result {
+            Ok(d) => {
+                let outcome = if d.allowed() { "admitted" } else { "limited" };
+                let name = set.names.first().map(|n| &**n);
+                span.record(outcome, Some(&rule.name), name, Some(d.remaining()));
+            }
+            Err(_) => span.record("store_error", Some(&rule.name), None, None),
         }
     }
 
@@ -819,15 +910,20 @@ impl<St: Store> Limiter<St> {
         &rule.sets[usize::from(set).min(rule.sets.len() - 1)]
     }
 
-    /// The start of the `RateLimit` item of check `index` of a stack of `applied` rules.
+    /// The policy of check `index` of a stack of `applied` rules, and its `RateLimit` values.
     #[inline]
-    pub(crate) fn item(&self, applied: &[Applied], mut index: usize) -> Option<&str> {
+    pub(crate) fn status(
+        &self,
+        applied: &[Applied],
+        mut index: usize,
+    ) -> Option<(&Policy, &StatusField)> {
         for a in applied {
             let set = self.set(a.rule, a.set);
-            if index < set.items.len() {
-                return Some(&set.items[index]);
+            if let (Some(policy), Some(status)) = (set.policies.get(index), set.statuses.get(index))
+            {
+                return Some((policy, status));
             }
-            index -= set.items.len();
+            index -= set.policies.len();
         }
         None
     }
