@@ -56,7 +56,7 @@ binding = "tenant"
 headers = "both"
 legacy_reset = "unix_seconds"
 unavailable_retry_after = "3s"
-decision_extension = false
+decision_extension = true
 
 [[rules]]
 name = "search"

@@ -192,16 +192,8 @@ fn is_false(b: &bool) -> bool {
     !*b
 }
 
-fn is_true(b: &bool) -> bool {
-    *b
-}
-
-fn yes() -> bool {
-    true
-}
-
 /// The answers' options.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct AnswersConfig {
@@ -213,20 +205,10 @@ pub struct AnswersConfig {
     /// The `Retry-After` of a 503 sent because the store failed (1 s unless set).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unavailable_retry_after: Option<HumanDuration>,
-    /// Whether an admitted request's decision goes into its extensions (yes unless set).
-    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    /// Whether an admitted request's decision goes into its extensions for the handler (no
+    /// unless set, as for the layer built in code).
+    #[serde(skip_serializing_if = "is_false")]
     pub decision_extension: bool,
-}
-
-impl Default for AnswersConfig {
-    fn default() -> Self {
-        AnswersConfig {
-            headers: HeadersConfig::default(),
-            legacy_reset: None,
-            unavailable_retry_after: None,
-            decision_extension: true,
-        }
-    }
 }
 
 /// [`HeaderProfile`](crate::answer::HeaderProfile), by name.
