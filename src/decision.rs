@@ -24,6 +24,9 @@ pub struct Decision {
     index: usize,
     /// Answered without reaching the store's backend (a local cache, say).
     without_backend: bool,
+    /// Admitted by a failure policy (failing open, or the local fallback): the store could not
+    /// decide.
+    failure_policy: bool,
 }
 
 /// Two decisions are equal when they decide alike: where the answer came from (see
@@ -66,6 +69,7 @@ impl Decision {
             retry_after: 0,
             index: 0,
             without_backend: false,
+            failure_policy: false,
         }
     }
 
@@ -90,6 +94,7 @@ impl Decision {
             },
             index: 0,
             without_backend: false,
+            failure_policy: false,
         }
     }
 
@@ -114,6 +119,7 @@ impl Decision {
             },
             index: 0,
             without_backend: false,
+            failure_policy: false,
         }
     }
 
@@ -140,6 +146,18 @@ impl Decision {
     pub const fn without_backend(mut self) -> Self {
         self.without_backend = true;
         self
+    }
+
+    /// Marks an admission by a failure policy (see [`ResilientStore`](crate::store::ResilientStore)).
+    pub(crate) const fn by_failure_policy(mut self) -> Self {
+        self.failure_policy = true;
+        self.without_backend = true;
+        self
+    }
+
+    /// Whether a failure policy admitted the request: the store could not decide.
+    pub(crate) const fn is_failure_policy(&self) -> bool {
+        self.failure_policy
     }
 
     /// Whether the answer came from the store's backend (see [`Decision::without_backend`]).

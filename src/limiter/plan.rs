@@ -715,7 +715,7 @@ impl<St: Store> Limiter<St> {
             return;
         };
         match result {
-            Ok(d) if d.allowed() && !d.reached_backend() => {
+            Ok(d) if d.allowed() && d.is_failure_policy() => {
                 // Admitted by the failure policy: nothing was consumed from the store.
                 rule.failure_policy.increment(1);
                 span.record("failure_policy", Some(&rule.name), None, None);
@@ -998,7 +998,7 @@ impl<St: Store> Limiter<St> {
             return;
         }
         match result {
-            Ok(d) if d.allowed() && !d.reached_backend() => {
+            Ok(d) if d.allowed() && d.is_failure_policy() => {
                 // Admitted by the failure policy: nothing was consumed from the store.
                 for a in applied {
                     if let Some(rule) = self.rules.get(usize::from(a.rule)) {

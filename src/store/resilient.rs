@@ -436,7 +436,7 @@ impl<S> Shared<S> {
                     Some(limit) => Decision::admitted(limit, limit, Duration::ZERO),
                     None => NOTHING_TO_CHECK,
                 };
-                Ok(admitted.without_backend())
+                Ok(admitted.by_failure_policy())
             }
             FailurePolicy::LocalFallback => {
                 self.counters
@@ -448,7 +448,7 @@ impl<S> Shared<S> {
                     .collect();
                 self.fallback
                     .check_all_now(&checks)
-                    .map(Decision::without_backend)
+                    .map(Decision::by_failure_policy)
             }
         }
     }

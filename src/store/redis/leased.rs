@@ -614,9 +614,14 @@ async fn sweeper(store: Weak<Shared>, every: Duration) {
         let Some(shared) = store.upgrade() else {
             return;
         };
-        let idle =
-            shared.returns.lock().is_empty() && shared.shards.iter().all(|s| s.lock().is_empty());
-        pause = if idle { every * 20 } else { every };
+        // One lock at a time: elsewhere a shard is locked before the returns (put_back).
+        let nothing_back = shared.returns.lock().is_empty();
+        let idle = nothing_back && shared.shards.iter().all(|s| s.lock().is_empty());
+        pause = if idle {
+            every.saturating_mul(20)
+        } else {
+            every
+        };
         let _ = LeasedStore { shared }.sweep().await;
     }
 }
