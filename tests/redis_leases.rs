@@ -704,9 +704,8 @@ async fn on_a_cluster_stacks_across_slots_stay_exact() {
     let global = Arc::new(Policy::gcra(Rate::per_minute(1), 10_000).unwrap());
     let per_user = Arc::new(Policy::fixed_window(3, Duration::from_secs(86_400)).unwrap());
     let mut admitted = 0;
-    // 100 at once: a bucket keeps at most 256 pending refunds (beyond, a consumption is not
-    // refunded: an over-rejection, which this test would count as a loss); with 200 at once
-    // on a loaded machine, refunds of leases and of stacks together passed that now and then.
+    // 100 at once: a bucket keeps the newest 256 pending refunds; the oldest are those of
+    // admitted calls whose settle (fire and forget) is late on a loaded machine.
     for round in 0..6 {
         let tasks: Vec<_> = (0..100)
             .map(|i| {
@@ -739,6 +738,8 @@ async fn on_a_cluster_stacks_across_slots_stay_exact() {
     let left = i128::from(d.remaining()) - (10_000 - i128::from(admitted));
     assert!(
         (0..=1).contains(&left),
-        "refunds gave back exactly the rest ({left} more)"
+        "refunds gave back exactly the rest ({left} more; {:?}, {:?})",
+        a.stats(),
+        b.stats()
     );
 }

@@ -258,3 +258,150 @@ async fn a_primary_found_through_sentinel() {
     let by_url = RedisStore::connect(&url).await.unwrap();
     assert!(!by_url.check("k", &p, 1).await.unwrap().allowed());
 }
+
+/// The check and refund scripts of a GCRA key as the store builds them
+/// (`src/store/redis/mod.rs`), to leave refunds pending in orders that concurrent calls only
+/// produce by chance.
+const GCRA_CHECK_LUA: &str = concat!(
+    include_str!("../src/store/redis/common.lua"),
+    include_str!("../src/store/redis/gcra.lua"),
+    include_str!("../src/store/redis/check.lua"),
+);
+const GCRA_REFUND_LUA: &str = concat!(
+    include_str!("../src/store/redis/common.lua"),
+    include_str!("../src/store/redis/gcra.lua"),
+    include_str!("../src/store/redis/refund.lua"),
+);
+
+/// A GCRA key of 1,000 units, one a minute, driven by hand at one frozen instant: what one
+/// slot of a cross-slot check (or a quota lease) consumes with a refund token, and its
+/// refund.
+struct Pending<'a> {
+    server: &'a support::RedisServer,
+    store: RedisStore,
+    policy: Policy,
+    name: String,
+    sec: String,
+}
+
+impl<'a> Pending<'a> {
+    /// (limit, interval in ns, horizon in ns) as the store sends them.
+    const ARGS: [&'static str; 3] = ["1000", "60000000000", "60000000000000"];
+
+    async fn new(server: &'a support::RedisServer, key: &str) -> Self {
+        let clock = tollgate::clock::ManualClock::new();
+        clock.set(Duration::from_secs(1_700_000_000));
+        let store = RedisStore::builder()
+            .url(server.url())
+            .timeout(SLOW_MACHINE)
+            .injected_clock(clock.clone())
+            .connect()
+            .await
+            .unwrap();
+        let policy = Policy::gcra(Rate::per_minute(1), 1_000).unwrap();
+        let name = store.key_name(key, &policy);
+        let sec = clock.elapsed().as_secs().to_string();
+        Self {
+            server,
+            store,
+            policy,
+            name,
+            sec,
+        }
+    }
+
+    fn consume(&self, token: &str, cost: u64) {
+        let [limit, interval, horizon] = Self::ARGS;
+        let cost = cost.to_string();
+        let out = self.server.cli(&[
+            "EVAL",
+            GCRA_CHECK_LUA,
+            "1",
+            &self.name,
+            &self.sec,
+            "0",
+            "1000",
+            "gcra",
+            limit,
+            interval,
+            &cost,
+            horizon,
+            token,
+        ]);
+        assert!(out.starts_with("1\n1\n"), "{token}: {out:?}");
+    }
+
+    fn refund(&self, token: &str, cost: u64) {
+        let [limit, interval, horizon] = Self::ARGS;
+        let cost = cost.to_string();
+        self.server.cli(&[
+            "EVAL",
+            GCRA_REFUND_LUA,
+            "1",
+            &self.name,
+            &self.sec,
+            "0",
+            "refund",
+            "gcra",
+            limit,
+            interval,
+            &cost,
+            horizon,
+            token,
+            "0",
+            "0",
+        ]);
+    }
+
+    async fn remaining(&self, key: &str) -> u64 {
+        self.store
+            .check(key, &self.policy, 0)
+            .await
+            .unwrap()
+            .remaining()
+    }
+}
+
+/// A bucket keeps its newest 256 pending refunds: when more are pending (the settles of
+/// admitted calls can lag behind a burst), the oldest is forgotten, and a refund that comes
+/// in a round trip, for one of the newest consumptions, still gives back what it took.
+#[tokio::test]
+async fn a_bucket_keeps_its_newest_pending_refunds() {
+    let server = redis_or_skip!();
+    let key = Pending::new(&server, "busy").await;
+    for i in 0..300 {
+        key.consume(&format!("t{i}"), 1);
+    }
+    assert_eq!(key.remaining("busy").await, 700);
+    // Forgotten: t0 to t43.
+    key.refund("t0", 1);
+    key.refund("t43", 1);
+    assert_eq!(key.remaining("busy").await, 700);
+    // Kept: t44 to t299, each refunded once.
+    key.refund("t299", 1);
+    assert_eq!(key.remaining("busy").await, 701);
+    key.refund("t44", 1);
+    key.refund("t44", 1);
+    assert_eq!(key.remaining("busy").await, 702);
+}
+
+/// A long-lived pending refund (a quota lease) stays whole while many younger consumptions
+/// come and are refunded on a busy bucket: refunding a younger one changes nothing that older
+/// writes saw. (Every refund used to lower every other entry's headroom, so a lease that
+/// outlived a few dozen refused stacks could give back nothing.)
+#[tokio::test]
+async fn an_old_pending_refund_survives_younger_refunds() {
+    let server = redis_or_skip!();
+    let key = Pending::new(&server, "leased").await;
+    key.consume("first", 2);
+    key.consume("lease", 12);
+    for i in 0..30 {
+        key.consume(&format!("stack{i}"), 1);
+        key.refund(&format!("stack{i}"), 1);
+    }
+    assert_eq!(key.remaining("leased").await, 1_000 - 14);
+    key.refund("first", 2);
+    assert_eq!(key.remaining("leased").await, 1_000 - 12);
+    key.refund("lease", 12);
+    assert_eq!(key.remaining("leased").await, 1_000);
+}

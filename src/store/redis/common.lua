@@ -73,10 +73,14 @@ end
 -- least backlog seen by a write since the consumption (-1: none yet). Refunding i changes the
 -- delta of another pending j from delta_j to clamp(h - delta_i, 0, delta_j), where h is the
 -- headroom of the later of the two: without both consumptions the difference would be
--- min(delta_i + delta_j, h). Entries older than PENDING_MS are dropped (the refund, if any,
+-- min(delta_i + delta_j, h); and the headrooms drop by delta_i where writes saw it: a
+-- younger entry's by delta_i, an older one's to at most h_i - delta_i (the list is in the
+-- order of the consumptions). Entries older than PENDING_MS are dropped (the refund, if any,
 -- comes within the call's timeout; an admitted call settles its entry at once); at most
--- PENDING_MAX are kept (a consumption beyond that is not refundable: an over-rejection, never
--- an over-admission).
+-- PENDING_MAX are kept, the newest: beyond that the oldest is forgotten (its consumption, if
+-- a refund was still to come, stays: an over-rejection, never an over-admission). Refunds
+-- come within a round trip, and settles of admitted calls may lag behind a burst, so the
+-- oldest entry is the one least likely to be needed.
 
 local PENDING_MS = 2000
 local PENDING_MAX = 256
@@ -98,14 +102,16 @@ local function pending_absorb(p, T, now, ms)
     if h < 0 or backlog < h then
       h = backlog
     end
-    if left > 0 and ms - tonumber(at) <= PENDING_MS and #out < PENDING_MAX then
+    if left > 0 and ms - tonumber(at) <= PENDING_MS then
       out[#out + 1] = tok .. ',' .. int(left) .. ',' .. at .. ',' .. int(h)
     end
   end
   if #out == 0 then
     return nil
   end
-  return table.concat(out, ';')
+  -- The newest PENDING_MAX - 1 (room for the entry pending_add appends): the oldest are the
+  -- least likely to be refunded still (an admitted call's settle may simply be late).
+  return table.concat(out, ';', max(#out - PENDING_MAX + 2, 1))
 end
 
 local function pending_add(p, token, delta, ms)
@@ -115,7 +121,11 @@ local function pending_add(p, token, delta, ms)
   end
   local n = select(2, string.gsub(p, ';', ';')) + 1
   if n >= PENDING_MAX then
-    return p
+    -- Full: the oldest entry goes.
+    p = string.sub(p, (string.find(p, ';', 1, true) or #p) + 1)
+    if p == '' then
+      return entry
+    end
   end
   return p .. ';' .. entry
 end
@@ -127,22 +137,35 @@ local function pending_take(p, token, settle, cap)
   if p == nil or p == false or p == '' then
     return 0, nil
   end
-  local delta, hi = 0, -1
+  local delta, hi, at_i = 0, -1, 0
+  local n = 0
   for tok, d, _, h in string.gmatch(p, PENDING_ENTRY) do
+    n = n + 1
     if tok == token then
-      delta, hi = min(tonumber(d), cap), tonumber(h)
+      delta, hi, at_i = min(tonumber(d), cap), tonumber(h), n
     end
   end
   local out = {}
+  n = 0
   for tok, d, at, h in string.gmatch(p, PENDING_ENTRY) do
     d, h = tonumber(d), tonumber(h)
+    n = n + 1
     if tok ~= token then
       if not settle and delta > 0 and h >= 0 and hi >= 0 then
         d = min(max(max(h, hi) - delta, 0), d)
       end
-      if not settle and h >= 0 then
-        -- Without the refunded consumption, past backlogs were smaller.
-        h = max(h - delta, 0)
+      if not settle and delta > 0 then
+        -- Without the refunded consumption, the backlogs that writes saw after it were
+        -- smaller by its delta. The list is in the order of the consumptions: the headroom
+        -- of an older entry is the least of what writes saw before the refunded one (not
+        -- changed) and after it (its headroom `hi`); a newer entry's writes all came after.
+        if n < at_i then
+          if hi >= 0 then
+            h = min(h, max(hi - delta, 0))
+          end
+        elseif h >= 0 then
+          h = max(h - delta, 0)
+        end
       end
       if d > 0 then
         out[#out + 1] = tok .. ',' .. int(d) .. ',' .. at .. ',' .. int(h)

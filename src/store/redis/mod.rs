@@ -111,7 +111,10 @@
 //!   them; exact while the bucket stayed busy, and otherwise rounded towards giving back less
 //!   (rejecting slightly more), never more. A call admitted on every slot settles its pending
 //!   refunds (a fire-and-forget script call); a pending refund is kept at most 2 s, and at most
-//!   256 per key: beyond that a consumption is simply not refunded.
+//!   the newest 256 per key: beyond that the oldest is forgotten, and its consumption, if a
+//!   refund was still to come, stays (refunds come within a round trip, while the settles of
+//!   admitted calls can lag behind a burst, so the oldest entry is the least likely to be
+//!   needed).
 //!
 //! If a slot fails, the slots that consumed are refunded and the call returns the error. A call
 //! that times out between consuming and refunding leaves its cost consumed (an over-rejection).
