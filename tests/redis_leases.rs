@@ -743,3 +743,167 @@ async fn on_a_cluster_stacks_across_slots_stay_exact() {
         b.stats()
     );
 }
+
+/// A lease call whose future is dropped before it ends (made outside a runtime, where nothing
+/// finishes it in the background) ends its fetch: the next check on the key takes a lease
+/// instead of waiting forever for one that will never come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_call_dropped_unfinished_leaves_no_one_waiting() {
+    let server = redis_or_skip!();
+    let clock = ManualClock::new();
+    at(&clock, T0 + 1_000 * MS);
+    let a = leased(&server.url(), &clock, "drop:", |b| b).await;
+    let policy = Policy::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
+    // Seven units of demand in this span: the eighth check makes the key hot and takes a
+    // lease.
+    for _ in 0..7 {
+        assert!(one(&a, "k", &policy).await.allowed());
+    }
+    assert_eq!(a.stats().hot_keys, 0);
+    let (store, p) = (a.clone(), policy.clone());
+    std::thread::spawn(move || {
+        let call = store.check("k", &p, 1);
+        assert_eq!(store.stats().fetching, 1, "the call takes a lease");
+        drop(call);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(a.stats().fetching, 0, "the dropped call ended its fetch");
+    let next = tokio::time::timeout(Duration::from_secs(10), one(&a, "k", &policy))
+        .await
+        .expect("the next check does not wait for the dropped call");
+    assert!(next.allowed());
+    quiet(&[&a]).await;
+    assert!(a.stats().leases > 0);
+}
+
+/// Checks that wait for a key's lease call share its fate: when it times out they fail too,
+/// at once, instead of each sending a call of its own that could wait for another timeout.
+/// Redis is paused (CLIENT PAUSE) for longer than the timeout; once it resumes, it has run
+/// the lease call and nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_fail_with_the_lease_call_they_waited_for() {
+    let server = redis_or_skip!();
+    let clock = ManualClock::new();
+    at(&clock, T0 + 1_000 * MS);
+    let r = RedisStore::builder()
+        .url(server.url())
+        .prefix("pause:")
+        .timeout(Duration::from_millis(300))
+        .injected_clock(clock.clone())
+        .connect()
+        .await
+        .expect("connect");
+    let a = LeasedStore::builder(r).sweep_every(None).build();
+    let policy = Policy::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
+    for _ in 0..7 {
+        assert!(one(&a, "k", &policy).await.allowed());
+    }
+    let before = script_calls(&server);
+    server.cli(&["CLIENT", "PAUSE", "3000", "ALL"]);
+    let fetch = a.check("k", &policy, 1);
+    assert_eq!(a.stats().fetching, 1);
+    let waiter = a.check("k", &policy, 1);
+    let (fetch, waiter) = tokio::join!(fetch, waiter);
+    assert!(
+        matches!(fetch, Err(tollgate::StoreError::Timeout(_))),
+        "{fetch:?}"
+    );
+    assert!(
+        matches!(waiter, Err(tollgate::StoreError::Timeout(_))),
+        "{waiter:?}"
+    );
+    // Blocks until the pause ends, after the calls queued before it.
+    server.cli(&["PING"]);
+    assert_eq!(script_calls(&server), before + 1, "only the lease call ran");
+}
+
+/// A check refused here because its key is short reports the wait Redis gave (the window's
+/// end, or the bucket's refill for that cost), not only the few milliseconds until the next
+/// lease call: a client told to come back in 10 ms would only be refused again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_refusals_report_the_wait_redis_gave() {
+    let server = redis_or_skip!();
+    let clock = ManualClock::new();
+    at(&clock, T0 + 1_000 * MS);
+    let policies = [
+        Policy::fixed_window(20, Duration::from_secs(3600)).unwrap(),
+        Policy::gcra(Rate::per_minute(1), 20).unwrap(),
+        Policy::token_bucket(Rate::per_minute(1), 20).unwrap(),
+        Policy::leaky_bucket(Rate::per_minute(1), 20).unwrap(),
+    ];
+    for (n, policy) in policies.iter().enumerate() {
+        let a = leased(&server.url(), &clock, &format!("short{n}:"), |b| b).await;
+        let mut local_refusals = Vec::new();
+        for _ in 0..60 {
+            let d = one(&a, "k", policy).await;
+            if !d.allowed() && !d.reached_backend() {
+                local_refusals.push(d);
+            }
+            quiet(&[&a]).await;
+        }
+        assert!(!local_refusals.is_empty(), "{policy:?}: the key went short");
+        let redis = a.redis().check("k", policy, 1).await.unwrap();
+        assert!(!redis.allowed());
+        let wait = redis.retry_after().unwrap();
+        assert!(wait >= Duration::from_secs(1), "{wait:?}");
+        for d in local_refusals {
+            assert_eq!(d.retry_after(), Some(wait), "{policy:?}");
+        }
+    }
+}
+
+/// A store built outside a runtime starts its sweep when a key first takes a lease inside
+/// one, so that expired and idle leases still go back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_built_outside_a_runtime_still_sweeps() {
+    let server = redis_or_skip!();
+    let clock = ManualClock::new();
+    at(&clock, T0 + 1_000 * MS);
+    let r = redis(&server.url(), &clock, "outside:").await;
+    let a = std::thread::spawn(move || {
+        LeasedStore::builder(r)
+            .sweep_every(Some(Duration::from_millis(1)))
+            .build()
+    })
+    .join()
+    .unwrap();
+    let policy = Policy::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
+    let name = a.redis().key_name("k", &policy);
+    let admitted = heat(&a, "k", &policy, 30).await;
+    assert!(a.stats().outstanding > 0, "a lease was taken");
+    // Idle from now on: the sweep gives the lease back.
+    clock.advance(Duration::from_secs(1));
+    for _ in 0..5_000 {
+        if a.stats().outstanding == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(a.stats().outstanding, 0, "the sweep ran");
+    assert_eq!(hget(&server, &name, "count") as u64, admitted);
+}
+
+/// Shutdown waits for the lease calls in flight, and gives back what they took too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_waits_for_lease_calls_in_flight() {
+    let server = redis_or_skip!();
+    let clock = ManualClock::new();
+    at(&clock, T0 + 1_000 * MS);
+    let a = leased(&server.url(), &clock, "shut:", |b| b).await;
+    let policy = Policy::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
+    let name = a.redis().key_name("k", &policy);
+    for _ in 0..7 {
+        assert!(one(&a, "k", &policy).await.allowed());
+    }
+    server.cli(&["CLIENT", "PAUSE", "300", "ALL"]);
+    let fetch = a.check("k", &policy, 1);
+    assert_eq!(a.stats().fetching, 1);
+    let (fetch, shutdown) = tokio::join!(fetch, a.shutdown());
+    assert!(fetch.unwrap().allowed());
+    shutdown.unwrap();
+    let s = a.stats();
+    assert!(s.leases > 0, "the call in flight took a lease");
+    assert_eq!((s.outstanding, s.fetching), (0, 0));
+    assert_eq!(hget(&server, &name, "count"), 8, "what it took came back");
+}

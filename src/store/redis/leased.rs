@@ -98,6 +98,28 @@ struct AsOf {
     reset_after: u64,
 }
 
+/// How a key's lease call ended, for the checks that waited for it.
+#[derive(Clone, Debug, Default)]
+enum Ended {
+    /// In flight (the channel's first value), answered, or never made: decide again.
+    #[default]
+    Answered,
+    /// Redis did not answer in time: the waiters fail alike, rather than each waiting for a
+    /// timeout of its own.
+    TimedOut(Duration),
+    /// Redis failed (the error's text).
+    Failed(String),
+}
+
+impl Ended {
+    fn of(e: &StoreError) -> Self {
+        match e {
+            StoreError::Timeout(after) => Ended::TimedOut(*after),
+            other => Ended::Failed(other.to_string()),
+        }
+    }
+}
+
 /// A lease (or what is left of it) on its way back to Redis.
 struct Back {
     /// The lease's id: units put back after it left its entry still find it here.
@@ -140,7 +162,7 @@ struct Entry {
     /// A lease call is in flight, sent at `fetch_sent` (local ns); `done` is told when it ends.
     fetching: bool,
     fetch_sent: u64,
-    done: tokio::sync::watch::Sender<()>,
+    done: tokio::sync::watch::Sender<Ended>,
     /// The span being counted, its demand so far, and the previous span's.
     span: u64,
     demand: u64,
@@ -241,6 +263,35 @@ impl Entry {
         Decision::from_nanos(retry.is_none(), limit, remaining, reset, retry.unwrap_or(0))
             .with_index(index)
             .without_backend()
+    }
+
+    /// The wait a local refusal of `cost` at `now` reports: at least `hold`, and at least
+    /// until `cost` fits by what Redis said last, so that a client comes back when Redis
+    /// would admit it (not merely when the next lease call may go out).
+    fn retry(&self, now: u64, cost: u64, hold: u64) -> u64 {
+        hold.max(self.fits_at(cost).saturating_sub(now))
+    }
+
+    /// When a check of `cost` fits by Redis' answer to the last lease call (local ns; 0: it
+    /// fitted then). A window: when it ends, if fewer than `cost` units were left. A bucket:
+    /// its `reset_after` is the time until it is full, so `cost` fits once all but
+    /// `limit - cost` units have come back (the same wait the Redis store reports).
+    fn fits_at(&self, cost: u64) -> u64 {
+        let Some(a) = self.as_of else {
+            return 0;
+        };
+        if a.remaining >= cost {
+            return 0;
+        }
+        let full = a.sent.saturating_add(a.reset_after);
+        match self.kind {
+            Kind::Window => full,
+            Kind::Bucket => {
+                let spare = u128::from(self.policy.limit().saturating_sub(cost))
+                    * u128::from(self.policy.period_nanos());
+                full.saturating_sub(u64::try_from(spare).unwrap_or(u64::MAX))
+            }
+        }
     }
 
     /// After a lease call that asked for `want` and consumed `granted` (its decision `d`):
@@ -349,6 +400,10 @@ struct Shared {
     closed: AtomicBool,
     ids: AtomicU64,
     counters: Counters,
+    /// How often the background sweep runs (`None`: no sweep), and whether it has started: a
+    /// store built outside a runtime starts it when a key first takes a lease in one.
+    sweep_every: Option<Duration>,
+    sweeper_started: AtomicBool,
 }
 
 /// A [`RedisStore`] that takes a share of a hot key's quota out of Redis in one call (a
@@ -408,7 +463,11 @@ struct Shared {
 /// When half of what an instance holds for a key is spent, it takes the next lease in the
 /// background, so the local path rarely runs dry. One lease call per key is in flight at a
 /// time; a check that finds no units while one is in flight waits for it (a round trip, as a
-/// Redis check would), then is decided again (going to Redis on its own if it must).
+/// Redis check would), then is decided again (going to Redis on its own if it must). If that
+/// call fails or times out, its waiters fail alike at once: no check waits for more than one
+/// timeout. A lease call whose future is dropped before it ends (outside a runtime, where
+/// nothing finishes it in the background) ends its key's wait too, and puts back what the
+/// stack took from leases; what Redis consumed for it, if the script ran, stays consumed.
 ///
 /// **Short keys.** When a lease call gets less than it asked for because the key is nearly out
 /// of quota (a bucket nearly empty, a window with nothing left, or the call refused), the key
@@ -416,8 +475,10 @@ struct Shared {
 /// window, until the window ends; for a bucket, until the missing part has refilled (at most
 /// `L`). Holds last at most the longer of the lease span and `L`. During the hold, and while
 /// the next lease call is out (for at most another hold), the checks on the key that the
-/// leases do not cover are refused here ([`Decision::without_backend`], `retry_after` the rest
-/// of the hold). A hot key above its limit then costs Redis about one call per instance per
+/// leases do not cover are refused here ([`Decision::without_backend`]). Their `retry_after`
+/// is the rest of the hold, or, if longer, the wait Redis' last answer implies for that cost
+/// (a window: its end, if fewer units were left; a bucket: until all but `limit - cost` units
+/// have come back), so that clients come back when Redis would admit them. A hot key above its limit then costs Redis about one call per instance per
 /// hold, not one per refused request. These refusals defer admissions, they do not lose them:
 /// a bucket keeps refilling meanwhile, from at most a lease's worth (far below its burst, so
 /// nothing is capped away), and the next lease takes what refilled; a window refuses what
@@ -454,7 +515,12 @@ struct Shared {
 ///   lifetime of a pending refund); later, the units stay consumed.
 /// - **Stacked checks** stay all or nothing: the checks of a `check_all` that a lease covers
 ///   are taken locally first, the others go to Redis in one call (taking leases there too),
-///   and if Redis refuses, the local units are put back into their leases.
+///   and if Redis refuses, the local units are put back into their leases. Such a mixed stack
+///   is admitted when Redis answers, up to one round trip after its leased part was taken:
+///   for buckets the bound above becomes `B + r·(T + L + RTT)` for those stacks, and a
+///   window's leased unit can admit a request whose other checks Redis decided just after
+///   the window ended (counted in the window it was leased from, so no window counts more
+///   than its limit).
 /// - **Decisions from a lease** (marked [`Decision::without_backend`]) report the distributed
 ///   state as of the newest lease of the key: `remaining` is what Redis said was left after
 ///   it, plus the units this instance still holds; `reset_after` is Redis' value less the
@@ -491,7 +557,9 @@ struct Shared {
 ///
 /// Cloning is cheap; clones share the leases. When the last clone is dropped inside a tokio
 /// runtime, unspent units are given back in the background; [`LeasedStore::shutdown`] does it
-/// and waits.
+/// and waits (for the lease calls in flight too, at most the Redis store's timeout). The
+/// background sweep starts with the store inside a runtime, or else when a key first takes
+/// a lease inside one.
 #[derive(Clone)]
 pub struct LeasedStore {
     shared: Arc<Shared>,
@@ -570,7 +638,8 @@ impl LeasedStoreBuilder {
         self
     }
 
-    /// The store. The background sweep starts if this runs inside a tokio runtime.
+    /// The store. The background sweep starts now if this runs inside a tokio runtime, or
+    /// else when a key first takes a lease inside one.
     pub fn build(self) -> LeasedStore {
         // Zero: every bucket lifetime.
         let sweep = match self.sweep {
@@ -596,11 +665,10 @@ impl LeasedStoreBuilder {
             closed: AtomicBool::new(false),
             ids: AtomicU64::new(1),
             counters: Counters::default(),
+            sweep_every: self.sweep.map(|_| sweep),
+            sweeper_started: AtomicBool::new(false),
         });
-        if let (Some(_), Ok(runtime)) = (self.sweep, tokio::runtime::Handle::try_current()) {
-            let weak = Arc::downgrade(&shared);
-            runtime.spawn(sweeper(weak, sweep));
-        }
+        shared.start_sweeper();
         LeasedStore { shared }
     }
 }
@@ -709,10 +777,19 @@ impl LeasedStore {
             Ok(Plan::Direct) => LeasedFuture::redis(shared.redis.check_all(checks)),
             Ok(Plan::Local(d)) => LeasedFuture::ready(Ok(d)),
             Ok(Plan::Ask(ask)) => {
-                let shared = Arc::clone(shared);
+                let Ask {
+                    future,
+                    locals,
+                    fetches,
+                } = *ask;
+                let unfinished = Unfinished {
+                    shared: Arc::clone(shared),
+                    locals,
+                    fetches,
+                };
                 let call = async move {
-                    let taken = ask.future.await;
-                    shared.finish(taken, ask.locals, ask.fetches)
+                    let taken = future.await;
+                    unfinished.finish(taken)
                 };
                 // In a task of its own, so that the leases' bookkeeping ends even if the
                 // caller drops this future.
@@ -722,6 +799,7 @@ impl LeasedStore {
                 }
             }
             Ok(Plan::Wait(mut done)) => {
+                let deadline = shared.redis.inner.timeout;
                 let owned: Vec<(Box<str>, usize, Policy, u64)> = checks
                     .iter()
                     .map(|c| {
@@ -731,8 +809,19 @@ impl LeasedStore {
                     .collect();
                 let store = self.clone();
                 LeasedFuture::boxed(async move {
-                    // Woken when the call is back (or the key is no longer tracked).
-                    let _ = done.changed().await;
+                    // Woken when the call is back (or the key is no longer tracked); a call
+                    // that failed fails its waiters too, so none waits for two timeouts.
+                    match tokio::time::timeout(deadline, done.changed()).await {
+                        Err(_) => return Err(StoreError::Timeout(deadline)),
+                        Ok(Err(_)) => {}
+                        Ok(Ok(())) => match &*done.borrow() {
+                            Ended::Answered => {}
+                            Ended::TimedOut(after) => return Err(StoreError::Timeout(*after)),
+                            Ended::Failed(why) => {
+                                return Err(StoreError::Backend(why.clone().into()));
+                            }
+                        },
+                    }
                     let checks: SmallVec<[Check<'_>; 4]> = owned
                         .iter()
                         .map(|(k, p, policy, cost)| Check::new(k, policy, *cost).placed_by(*p))
@@ -759,10 +848,32 @@ impl LeasedStore {
         self.shared.give_back(returns).await
     }
 
-    /// Stops taking leases (every check goes to Redis from now on) and gives back every
-    /// lease. Call it before the process exits.
+    /// Stops taking leases (every check goes to Redis from now on), waits for the lease
+    /// calls in flight (at most the Redis store's timeout: what they take comes back too),
+    /// and gives back every lease. Call it before the process exits.
     pub async fn shutdown(&self) -> Result<(), StoreError> {
         self.shared.closed.store(true, Ordering::Release);
+        let in_flight: Vec<_> = self
+            .shared
+            .shards
+            .iter()
+            .flat_map(|s| {
+                let table = s.lock();
+                table
+                    .iter()
+                    .filter(|e| e.fetching)
+                    .map(|e| e.done.subscribe())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let deadline = self.shared.redis.inner.timeout;
+        let _ = tokio::time::timeout(
+            deadline,
+            futures_util::future::join_all(in_flight.into_iter().map(|mut done| async move {
+                let _ = done.changed().await;
+            })),
+        )
+        .await;
         self.flush().await
     }
 
@@ -797,7 +908,7 @@ impl Store for LeasedStore {
 /// What a check_all does.
 enum Plan {
     /// A check waits for its key's lease call in flight; then the stack is decided again.
-    Wait(tokio::sync::watch::Receiver<()>),
+    Wait(tokio::sync::watch::Receiver<Ended>),
     /// Nothing leased is involved: the Redis store's own path.
     Direct,
     /// Every check answered from leases.
@@ -812,6 +923,33 @@ struct Ask {
     locals: SmallVec<[Local; 2]>,
     /// Checks whose call takes a lease.
     fetches: SmallVec<[Fetch; 2]>,
+}
+
+/// A call with leased parts until [`Shared::finish`] runs. If its future is dropped first
+/// (the caller went away without a runtime to finish it, or the runtime shut down), the
+/// units taken from leases go back and its lease calls end, so that no check waits for them
+/// forever. (What Redis consumed for such a call, if it ran, stays consumed.)
+struct Unfinished {
+    shared: Arc<Shared>,
+    locals: SmallVec<[Local; 2]>,
+    fetches: SmallVec<[Fetch; 2]>,
+}
+
+impl Unfinished {
+    fn finish(mut self, taken: Result<Taken, StoreError>) -> Result<Decision, StoreError> {
+        let locals = std::mem::take(&mut self.locals);
+        let fetches = std::mem::take(&mut self.fetches);
+        self.shared.finish(taken, locals, fetches)
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        self.shared.put_back(&self.locals);
+        for f in &self.fetches {
+            self.shared.install(f, None, 0, Ended::Answered);
+        }
+    }
 }
 
 /// Units taken from leases: (lease id, units).
@@ -848,7 +986,7 @@ struct Effects<'c> {
 /// What one check of a stack does.
 enum Step {
     /// Waits for the lease call in flight.
-    Wait(tokio::sync::watch::Receiver<()>),
+    Wait(tokio::sync::watch::Receiver<Ended>),
     /// Spent from leases.
     Local(Local),
     /// Refused here: the key is short.
@@ -860,6 +998,23 @@ enum Step {
 }
 
 impl Shared {
+    /// Starts the background sweep, if there is one, it has not started yet, and this runs
+    /// inside a tokio runtime.
+    fn start_sweeper(self: &Arc<Self>) {
+        let Some(every) = self.sweep_every else {
+            return;
+        };
+        if self.sweeper_started.load(Ordering::Relaxed) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !self.sweeper_started.swap(true, Ordering::AcqRel) {
+            runtime.spawn(sweeper(Arc::downgrade(self), every));
+        }
+    }
+
     fn hash(&self, check: &Check<'_>) -> u64 {
         self.hasher
             .hash_one((check.key(), check.placement().len(), check.policy().id()))
@@ -905,7 +1060,6 @@ impl Shared {
                 None => merged.push((*check, index)),
             }
         }
-        let now = self.clock.now();
         let mut steps: SmallVec<[Step; 4]> = SmallVec::new();
         let mut effects = Effects {
             returns: Vec::new(),
@@ -914,7 +1068,7 @@ impl Shared {
         for &(check, index) in &merged {
             let step = match kind(check.policy().algorithm()) {
                 Some(kind) if check.cost() > 0 => {
-                    self.step(check, index, kind, now, may_wait, &mut effects)
+                    self.step(check, index, kind, may_wait, &mut effects)
                 }
                 _ => Step::Direct,
             };
@@ -926,7 +1080,7 @@ impl Shared {
         for (check, fetch, want) in effects.prefetch {
             let Ok(runtime) = tokio::runtime::Handle::try_current() else {
                 // Nowhere to take it in the background: the next check that runs dry will.
-                self.install(&fetch, None, 0);
+                self.install(&fetch, None, 0, Ended::Answered);
                 continue;
             };
             let future = self.redis.take(&[Wanted {
@@ -934,10 +1088,14 @@ impl Shared {
                 index: 0,
                 want,
             }]);
-            let shared = Arc::clone(self);
+            let unfinished = Unfinished {
+                shared: Arc::clone(self),
+                locals: SmallVec::new(),
+                fetches: [fetch].into_iter().collect(),
+            };
             runtime.spawn(async move {
                 let taken = future.await;
-                shared.finish(taken, SmallVec::new(), [fetch].into_iter().collect())
+                unfinished.finish(taken)
             });
         }
         let refused = steps.iter().filter_map(|s| match s {
@@ -963,7 +1121,7 @@ impl Shared {
             for s in steps {
                 match s {
                     Step::Local(l) => locals.push(l),
-                    Step::Fetch(f) => self.install(&f, None, 0),
+                    Step::Fetch(f) => self.install(&f, None, 0, Ended::Answered),
                     _ => {}
                 }
             }
@@ -986,6 +1144,8 @@ impl Shared {
         if steps.iter().all(|s| matches!(s, Step::Direct)) {
             return Ok(Plan::Direct);
         }
+        // A lease is being taken: someone must give it back.
+        self.start_sweeper();
         let mut wanted: SmallVec<[Wanted<'_>; 4]> = SmallVec::new();
         let mut locals = SmallVec::new();
         let mut fetches = SmallVec::new();
@@ -1021,7 +1181,6 @@ impl Shared {
         check: Check<'c>,
         index: usize,
         kind: Kind,
-        now: u64,
         may_wait: bool,
         effects: &mut Effects<'c>,
     ) -> Step {
@@ -1030,6 +1189,9 @@ impl Shared {
         let hash = self.hash(&check);
         let cost = check.cost();
         let mut table = self.shard(hash).lock();
+        // Read once the shard is ours, so that no wait for the lock makes it stale: a lease
+        // is never spent after it expired.
+        let now = self.clock.now();
         if let Some(e) = table.find_mut(hash, |e| e.hash == hash && e.matches(&check)) {
             e.note(now, cost, config.span);
             e.expire(now, returns);
@@ -1059,14 +1221,15 @@ impl Shared {
                 });
             }
             if now < e.short_until {
-                let retry = e.short_until - now;
+                let retry = e.retry(now, cost, e.short_until - now);
                 return Step::Refuse(e.decision(now, index, Some(retry)));
             }
             if e.fetching {
                 if e.short_until > 0 && now < e.fetch_sent.saturating_add(e.hold) {
                     // Short, and the next lease call is out (for less than a hold): refused
                     // here too.
-                    return Step::Refuse(e.decision(now, index, Some(e.hold.max(1))));
+                    let retry = e.retry(now, cost, e.hold.max(1));
+                    return Step::Refuse(e.decision(now, index, Some(retry)));
                 }
                 if may_wait {
                     return Step::Wait(e.done.subscribe());
@@ -1105,7 +1268,7 @@ impl Shared {
             leases: SmallVec::new(),
             fetching: true,
             fetch_sent: now,
-            done: tokio::sync::watch::Sender::new(()),
+            done: tokio::sync::watch::Sender::new(Ended::Answered),
             span,
             demand,
             last_demand: 0,
@@ -1145,7 +1308,7 @@ impl Shared {
             Err(e) => {
                 self.put_back(&locals);
                 for f in &fetches {
-                    self.install(f, None, 0);
+                    self.install(f, None, 0, Ended::of(&e));
                 }
                 return Err(e);
             }
@@ -1178,13 +1341,18 @@ impl Shared {
                     )
                     .with_index(d.index());
                 }
-                self.install(f, Some((&item, taken.sent, admitted)), extra);
+                self.install(
+                    f,
+                    Some((&item, taken.sent, admitted)),
+                    extra,
+                    Ended::Answered,
+                );
             }
             decisions.push((d, item.cost));
         }
         // A fetch without an answer (the deny cache answered) takes nothing.
         for f in fetches.iter().filter(|f| !answered.contains(&f.index)) {
-            self.install(f, None, 0);
+            self.install(f, None, 0, Ended::Answered);
         }
         if !admitted {
             return Ok(taken.decision);
@@ -1199,7 +1367,13 @@ impl Shared {
 
     /// Ends a fetch: installs `extra` units of `answer`'s lease (its item, when its call was
     /// sent, whether the call was admitted), or only clears the fetch when there is no answer.
-    fn install(&self, f: &Fetch, answer: Option<(&TakenItem, u64, bool)>, extra: u64) {
+    fn install(
+        &self,
+        f: &Fetch,
+        answer: Option<(&TakenItem, u64, bool)>,
+        extra: u64,
+        ended: Ended,
+    ) {
         if answer.is_some() && extra > 0 {
             // Taken out of Redis: spent, given back or dropped from here on.
             self.counters.leases.fetch_add(1, Ordering::Relaxed);
@@ -1224,7 +1398,7 @@ impl Shared {
             return;
         };
         e.fetching = false;
-        e.done.send_replace(());
+        e.done.send_replace(ended);
         let Some((item, sent, admitted)) = answer else {
             return;
         };
@@ -1251,7 +1425,8 @@ impl Shared {
         // than a window, and spending it now would admit in one window what another counted.
         let later_window = e.kind == Kind::Window && d.reset_after() > e.policy.window();
         if extra == 0 || later_window || self.closed.load(Ordering::Acquire) {
-            drop(table);
+            // Under the shard's lock (shard, then returns, as everywhere): a flush that
+            // locks this shard after the call ended finds the units in the returns.
             self.returns.lock().push(Back {
                 id: 0,
                 ticket,
@@ -1303,7 +1478,7 @@ impl Shared {
     /// The leases to give back: expired ones and those of idle keys, or all with `all`.
     fn collect(&self, all: bool) -> Vec<Back> {
         let now = self.clock.now();
-        let mut out = std::mem::take(&mut *self.returns.lock());
+        let mut out = Vec::new();
         for shard in self.shards.iter() {
             let mut table = shard.lock();
             table.retain(|e| {
@@ -1317,6 +1492,8 @@ impl Shared {
                 e.fetching || !(all || idle)
             });
         }
+        // Last: what a lease call that ended while the shards were read left here.
+        out.append(&mut self.returns.lock());
         out
     }
 
@@ -1478,7 +1655,7 @@ mod tests {
             leases: SmallVec::new(),
             fetching: false,
             fetch_sent: 0,
-            done: tokio::sync::watch::Sender::new(()),
+            done: tokio::sync::watch::Sender::new(Ended::Answered),
             span: 0,
             demand: 0,
             last_demand: 0,
