@@ -9,7 +9,11 @@
 //! - leases go back on idle, expiry, flush, shutdown and drop; a crashed instance's leases
 //!   strand their units until they expire (windows: until the window ends);
 //! - stacked checks with a leased key stay all or nothing;
-//! - the same trace leased and unleased admits the same totals within the bound.
+//! - the same trace leased and unleased admits the same totals within the bound;
+//! - faults and edges: a lease call dropped unfinished, waiters of a call that times out
+//!   (Redis paused), local refusals' `Retry-After`, a store built outside a runtime,
+//!   shutdown with a call in flight;
+//! - and, on Redis' own clock with the sweep running, the stats' accounting and Redis' agree.
 #![cfg(feature = "redis")]
 
 mod support;
@@ -843,6 +847,12 @@ async fn local_refusals_report_the_wait_redis_gave() {
             quiet(&[&a]).await;
         }
         assert!(!local_refusals.is_empty(), "{policy:?}: the key went short");
+        // Short or not, a cost the policy can never admit is an error, not a refusal.
+        let err = a.check("k", policy, 21).await.unwrap_err();
+        assert!(
+            matches!(err, tollgate::StoreError::CostExceedsLimit { .. }),
+            "{err:?}"
+        );
         let redis = a.redis().check("k", policy, 1).await.unwrap();
         assert!(!redis.allowed());
         let wait = redis.retry_after().unwrap();
@@ -906,4 +916,50 @@ async fn shutdown_waits_for_lease_calls_in_flight() {
     assert!(s.leases > 0, "the call in flight took a lease");
     assert_eq!((s.outstanding, s.fetching), (0, 0));
     assert_eq!(hget(&server, &name, "count"), 8, "what it took came back");
+}
+
+/// On Redis' own clock (TIME) with the background sweep running, as in production: two
+/// instances, 1,000 concurrent requests on one bucket of 300: never more than 300 admitted,
+/// and once both have shut down, Redis holds exactly what was admitted (every lease came back
+/// whole: the stats' accounting and Redis' agree).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_real_clock_with_the_sweep_running_accounts_stay_exact() {
+    let server = redis_or_skip!();
+    for (n, policy) in [
+        Policy::gcra(Rate::per_hour(1), 300).unwrap(),
+        Policy::token_bucket(Rate::per_hour(1), 300).unwrap(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let connect = || async {
+            let r = RedisStore::builder()
+                .url(server.url())
+                .prefix(&format!("real{n}:"))
+                .timeout(Duration::from_secs(10))
+                .connect()
+                .await
+                .expect("connect");
+            LeasedStore::new(r)
+        };
+        let (a, b) = (connect().await, connect().await);
+        let policy = Arc::new(policy);
+        let mut admitted = 0;
+        for _ in 0..4 {
+            admitted += wave(&[a.clone(), b.clone()], "k", &policy, 250).await;
+        }
+        assert!(admitted <= 300, "{policy:?}: {admitted}");
+        let (sa, sb) = (a.stats(), b.stats());
+        assert!(sa.leases + sb.leases > 0, "{policy:?}: the key leased");
+        quiet(&[&a, &b]).await;
+        a.shutdown().await.unwrap();
+        b.shutdown().await.unwrap();
+        for s in [a.stats(), b.stats()] {
+            assert_eq!(s.outstanding, 0);
+            assert_eq!(s.units_dropped, 0);
+            assert_eq!(s.units_leased, s.units_spent + s.units_returned, "{s:?}");
+        }
+        let left = a.redis().check("k", &policy, 0).await.unwrap().remaining();
+        assert_eq!(left, 300 - admitted, "{policy:?}");
+    }
 }

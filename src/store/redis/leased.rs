@@ -1067,7 +1067,8 @@ impl Shared {
         };
         for &(check, index) in &merged {
             let step = match kind(check.policy().algorithm()) {
-                Some(kind) if check.cost() > 0 => {
+                // (A cost above the limit is the Redis store's error to report, short or not.)
+                Some(kind) if check.cost() > 0 && check.cost() <= check.policy().limit() => {
                     self.step(check, index, kind, may_wait, &mut effects)
                 }
                 _ => Step::Direct,

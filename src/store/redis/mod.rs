@@ -548,17 +548,19 @@ impl RedisStore {
     /// one refund.lua call per key, all at once. The first error, if any.
     pub(crate) async fn give_back(&self, leases: Vec<(Ticket, u64)>) -> Result<(), StoreError> {
         let inner = &self.inner;
-        let mut by_key: Vec<Vec<(Ticket, u64)>> = Vec::new();
+        // Grouped by key in a map: a sweep can return thousands of leases at once.
+        let mut by_key: std::collections::HashMap<Key, Vec<(Ticket, u64)>> =
+            std::collections::HashMap::new();
         for (ticket, unspent) in leases {
             if unspent == 0 && !ticket.needs_settling() {
                 continue;
             }
-            match by_key.iter_mut().find(|g| g[0].0.key == ticket.key) {
-                Some(g) => g.push((ticket, unspent)),
-                None => by_key.push(vec![(ticket, unspent)]),
-            }
+            by_key
+                .entry(ticket.key.clone())
+                .or_default()
+                .push((ticket, unspent));
         }
-        let calls = by_key.into_iter().map(|group| async move {
+        let calls = by_key.into_values().map(|group| async move {
             let build = || inner.refund_args(inner.now_args(), group.iter().cloned(), "refund");
             eval::<Value, _>(&inner.pool, &inner.scripts.refund, build)
                 .await
