@@ -686,6 +686,11 @@ async fn cold_keys_go_to_redis_and_errors_stay_errors() {
     let long = "x".repeat(70_000);
     let err = a.check(&long, &policy, 1).await.unwrap_err();
     assert!(matches!(err, tollgate::StoreError::KeyTooLong { .. }));
+    // A key longer than MAX_LEASED_KEY_LEN, however hot, never leases.
+    let leases = a.stats().leases;
+    let long = "y".repeat(tollgate::store::redis::MAX_LEASED_KEY_LEN + 1);
+    assert_eq!(heat(&a, &long, &policy, 30).await, 30);
+    assert_eq!(a.stats().leases, leases);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -935,7 +940,7 @@ async fn on_the_real_clock_with_the_sweep_running_accounts_stay_exact() {
         let connect = || async {
             let r = RedisStore::builder()
                 .url(server.url())
-                .prefix(&format!("real{n}:"))
+                .prefix(format!("real{n}:"))
                 .timeout(Duration::from_secs(10))
                 .connect()
                 .await

@@ -32,6 +32,9 @@ pub const DEFAULT_IDLE_AFTER: Duration = Duration::from_millis(20);
 /// The default number of hot keys tracked per instance.
 pub const DEFAULT_MAX_HOT_KEYS: usize = 4096;
 
+/// Keys longer than this never lease (their checks go to Redis as without leases): the hot
+/// table keeps each hot key's text, and hot keys are short (a tenant, an API key, `global`).
+pub const MAX_LEASED_KEY_LEN: usize = 256;
 const SHARDS: usize = 16;
 /// Demand counters for keys that are not hot (yet): a count per span, by hash.
 const SKETCH_SLOTS: usize = 16_384;
@@ -440,7 +443,8 @@ struct Shared {
 /// whose demand
 /// in one span reaches [`hot_threshold`](LeasedStoreBuilder::hot_threshold) (default 8 units)
 /// becomes hot: it gets an entry (at most
-/// [`max_hot_keys`](LeasedStoreBuilder::max_hot_keys)) and its next check takes a lease. The
+/// [`max_hot_keys`](LeasedStoreBuilder::max_hot_keys), each with a key of at most
+/// [`MAX_LEASED_KEY_LEN`] bytes: longer keys never lease) and its next check takes a lease. The
 /// size `k` of a lease is
 ///
 /// - the key's local demand over one span (windows) or over half a bucket lease's lifetime
@@ -1254,7 +1258,8 @@ impl Shared {
             return Step::Direct;
         }
         // A check Redis would refuse (a key too long, a policy out of its bounds) stays cold.
-        let valid = check.validate(index, self.redis.inner.max_key_len).is_ok()
+        let valid = check.key().len() <= MAX_LEASED_KEY_LEN
+            && check.validate(index, self.redis.inner.max_key_len).is_ok()
             && supports(check.policy(), index).is_ok();
         if !valid {
             return Step::Direct;
@@ -1404,13 +1409,14 @@ impl Shared {
             return;
         };
         let d = item.decision;
-        e.as_of = Some(AsOf {
-            remaining: d.remaining(),
-            sent,
-            reset_after: u64::try_from(d.reset_after().as_nanos()).unwrap_or(u64::MAX),
-        });
-        // (A key admitted while another check of its stack was refused is not short.)
+        // A key admitted while another check of its stack was refused is not short, and its
+        // answer counted a consumption that was refunded: it says nothing new.
         if admitted || !d.allowed() {
+            e.as_of = Some(AsOf {
+                remaining: d.remaining(),
+                sent,
+                reset_after: u64::try_from(d.reset_after().as_nanos()).unwrap_or(u64::MAX),
+            });
             e.hold = e.shortage(&d, f.want, item.granted, &self.config);
             e.short_until = if e.hold > 0 {
                 sent.saturating_add(e.hold)

@@ -157,7 +157,7 @@ pub use keys::KeySlots;
 pub use leased::{
     DEFAULT_BUCKET_LIFETIME, DEFAULT_HOT_THRESHOLD, DEFAULT_IDLE_AFTER, DEFAULT_LEASE_SPAN,
     DEFAULT_MAX_HOT_KEYS, DEFAULT_MAX_SHARE_PERCENT, LeaseStats, LeasedFuture, LeasedStore,
-    LeasedStoreBuilder,
+    LeasedStoreBuilder, MAX_LEASED_KEY_LEN,
 };
 
 use std::fmt;
