@@ -968,3 +968,93 @@ async fn on_the_real_clock_with_the_sweep_running_accounts_stay_exact() {
         assert_eq!(left, 300 - admitted, "{policy:?}");
     }
 }
+
+/// A stack across slots whose other slot does not answer in time fails with a timeout, and
+/// what its hot key's slot consumed meanwhile (the request's cost and the lease it asked for)
+/// goes back, whether the slot's answer comes before the call's timeout or after it (cut off
+/// between consuming and refunding, it used to stay consumed: up to a tenth of the limit per
+/// lease call).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stack_timed_out_across_slots_takes_back_what_it_consumed() {
+    let Some(cluster) = support::RedisCluster::start() else {
+        return;
+    };
+    let r = RedisStore::builder()
+        .cluster(cluster.nodes())
+        .timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .expect("connect to the cluster");
+    let a = LeasedStore::new(r);
+    // One unit a minute refills: at most one during the test.
+    let policy = Policy::gcra(Rate::per_minute(1), 1_000).unwrap();
+    let node_of = |key: &str| {
+        let name = a.redis().key_name(key, &policy);
+        cluster
+            .nodes
+            .iter()
+            .position(|n| n.cli(&["EXISTS", &name]).trim() == "1")
+            .expect("the key exists on a node")
+    };
+    assert!(
+        a.redis()
+            .check("global", &policy, 1)
+            .await
+            .unwrap()
+            .allowed()
+    );
+    let g = node_of("global");
+    let mut other = None;
+    for i in 0..64 {
+        let user = format!("user{i}");
+        assert!(a.redis().check(&user, &policy, 1).await.unwrap().allowed());
+        if node_of(&user) != g {
+            other = Some((user, node_of(&format!("user{i}"))));
+            break;
+        }
+    }
+    let (user, u) = other.expect("a user key on another node");
+    let mut admitted = 1;
+    for attempt in 0..6 {
+        // Seven units of demand, then the stack whose global check takes a lease.
+        for _ in 0..7 {
+            assert!(one(&a, "global", &policy).await.allowed());
+            admitted += 1;
+        }
+        cluster.nodes[u].cli(&["CLIENT", "PAUSE", "800", "ALL"]);
+        let stack = [
+            Check::new("global", &policy, 1),
+            Check::new(&user, &policy, 1),
+        ];
+        let r = a.check_all(&stack).await;
+        // Blocks until the pause ends.
+        cluster.nodes[u].cli(&["PING"]);
+        match r {
+            Err(tollgate::StoreError::Timeout(_)) => {}
+            other => panic!("attempt {attempt}: {other:?}"),
+        }
+        quiet(&[&a]).await;
+        a.flush().await.unwrap();
+    }
+    a.shutdown().await.unwrap();
+    // What is left: all but what was admitted, whatever the timeouts cut (the give-backs of
+    // calls nobody waited for run in the background).
+    let expected = 1_000 - admitted;
+    let mut left = 0;
+    for _ in 0..200 {
+        left = a
+            .redis()
+            .check("global", &policy, 0)
+            .await
+            .unwrap()
+            .remaining();
+        if left >= expected {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        (expected..=expected + 1).contains(&left),
+        "the timed-out stacks' leases came back: {left} left, {expected} expected"
+    );
+}

@@ -115,10 +115,16 @@ enum Ended {
 }
 
 impl Ended {
-    fn of(e: &StoreError) -> Self {
+    /// How a lease call that failed with `e` ended, for its key's waiters: `alone`, whether
+    /// the call was about the leased keys alone. A failure of another check of its stack (its
+    /// slot down, its key invalid) says nothing about this key: its waiters decide again.
+    fn of(e: &StoreError, alone: bool) -> Self {
         match e {
-            StoreError::Timeout(after) => Ended::TimedOut(*after),
-            other => Ended::Failed(other.to_string()),
+            StoreError::Timeout(after) if alone => Ended::TimedOut(*after),
+            StoreError::Backend(_) | StoreError::CircuitOpen if alone => {
+                Ended::Failed(e.to_string())
+            }
+            _ => Ended::Answered,
         }
     }
 }
@@ -783,6 +789,7 @@ impl LeasedStore {
             Ok(Plan::Ask(ask)) => {
                 let Ask {
                     future,
+                    alone,
                     locals,
                     fetches,
                 } = *ask;
@@ -790,6 +797,7 @@ impl LeasedStore {
                     shared: Arc::clone(shared),
                     locals,
                     fetches,
+                    alone,
                 };
                 let call = async move {
                     let taken = future.await;
@@ -814,23 +822,29 @@ impl LeasedStore {
                 let store = self.clone();
                 LeasedFuture::boxed(async move {
                     // Woken when the call is back (or the key is no longer tracked); a call
-                    // that failed fails its waiters too, so none waits for two timeouts.
-                    match tokio::time::timeout(deadline, done.changed()).await {
-                        Err(_) => return Err(StoreError::Timeout(deadline)),
+                    // that failed fails its waiters too. The wait and what follows it take
+                    // one timeout in all.
+                    let deadline = tokio::time::Instant::now() + deadline;
+                    let timeout = store.shared.redis.inner.timeout;
+                    match tokio::time::timeout_at(deadline, done.changed()).await {
+                        Err(_) => return Err(StoreError::Timeout(timeout)),
                         Ok(Err(_)) => {}
-                        Ok(Ok(())) => match &*done.borrow() {
-                            Ended::Answered => {}
-                            Ended::TimedOut(after) => return Err(StoreError::Timeout(*after)),
-                            Ended::Failed(why) => {
-                                return Err(StoreError::Backend(why.clone().into()));
+                        Ok(Ok(())) => {
+                            let ended = done.borrow().clone();
+                            match ended {
+                                Ended::Answered => {}
+                                Ended::TimedOut(after) => return Err(StoreError::Timeout(after)),
+                                Ended::Failed(why) => return Err(StoreError::Backend(why.into())),
                             }
-                        },
+                        }
                     }
                     let checks: SmallVec<[Check<'_>; 4]> = owned
                         .iter()
                         .map(|(k, p, policy, cost)| Check::new(k, policy, *cost).placed_by(*p))
                         .collect();
-                    store.decide(&checks, false).await
+                    tokio::time::timeout_at(deadline, store.decide(&checks, false))
+                        .await
+                        .unwrap_or(Err(StoreError::Timeout(timeout)))
                 })
             }
         }
@@ -923,6 +937,8 @@ enum Plan {
 
 struct Ask {
     future: super::TakeFuture,
+    /// Redis is asked about the fetches' keys alone.
+    alone: bool,
     /// Checks answered from leases, pending Redis' verdict on the others.
     locals: SmallVec<[Local; 2]>,
     /// Checks whose call takes a lease.
@@ -937,13 +953,15 @@ struct Unfinished {
     shared: Arc<Shared>,
     locals: SmallVec<[Local; 2]>,
     fetches: SmallVec<[Fetch; 2]>,
+    /// The call asks Redis about its lease calls' keys alone.
+    alone: bool,
 }
 
 impl Unfinished {
     fn finish(mut self, taken: Result<Taken, StoreError>) -> Result<Decision, StoreError> {
         let locals = std::mem::take(&mut self.locals);
         let fetches = std::mem::take(&mut self.fetches);
-        self.shared.finish(taken, locals, fetches)
+        self.shared.finish(taken, locals, fetches, self.alone)
     }
 }
 
@@ -1079,8 +1097,8 @@ impl Shared {
             };
             steps.push(step);
         }
-        if !effects.returns.is_empty() {
-            self.returns.lock().append(&mut effects.returns);
+        if !effects.prefetch.is_empty() {
+            self.start_sweeper();
         }
         for (check, fetch, want) in effects.prefetch {
             let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -1097,6 +1115,7 @@ impl Shared {
                 shared: Arc::clone(self),
                 locals: SmallVec::new(),
                 fetches: [fetch].into_iter().collect(),
+                alone: true,
             };
             runtime.spawn(async move {
                 let taken = future.await;
@@ -1130,9 +1149,13 @@ impl Shared {
                     _ => {}
                 }
             }
-            self.put_back(&locals);
+            // Before the leases emptied here are published for a sweep to give back: their
+            // units go back with them.
+            self.put_back_with(&locals, &mut effects.returns);
+            self.publish(&mut effects.returns);
             return Ok(plan);
         }
+        self.publish(&mut effects.returns);
         if steps.iter().all(|s| matches!(s, Step::Local(_))) {
             let mut decision: Option<(Decision, u64)> = None;
             for s in &steps {
@@ -1174,6 +1197,7 @@ impl Shared {
             }
         }
         Ok(Plan::Ask(Box::new(Ask {
+            alone: wanted.len() == fetches.len(),
             future: self.redis.take(&wanted),
             locals,
             fetches,
@@ -1194,6 +1218,10 @@ impl Shared {
         let hash = self.hash(&check);
         let cost = check.cost();
         let mut table = self.shard(hash).lock();
+        // Closing: no lease call starts after shutdown has looked at this shard.
+        if self.closed.load(Ordering::Acquire) {
+            return Step::Direct;
+        }
         // Read once the shard is ours, so that no wait for the lock makes it stale: a lease
         // is never spent after it expired.
         let now = self.clock.now();
@@ -1308,13 +1336,15 @@ impl Shared {
         taken: Result<Taken, StoreError>,
         locals: SmallVec<[Local; 2]>,
         fetches: SmallVec<[Fetch; 2]>,
+        alone: bool,
     ) -> Result<Decision, StoreError> {
         let taken = match taken {
             Ok(t) => t,
             Err(e) => {
                 self.put_back(&locals);
+                let ended = Ended::of(&e, alone);
                 for f in &fetches {
-                    self.install(f, None, 0, Ended::of(&e));
+                    self.install(f, None, 0, ended.clone());
                 }
                 return Err(e);
             }
@@ -1454,8 +1484,21 @@ impl Shared {
         });
     }
 
+    /// Leases expired or emptied, for the next sweep to give back.
+    fn publish(&self, returns: &mut Vec<Back>) {
+        if !returns.is_empty() {
+            self.returns.lock().append(returns);
+        }
+    }
+
     /// Puts units taken from leases back (their call was refused or failed).
     fn put_back(&self, locals: &[Local]) {
+        self.put_back_with(locals, &mut Vec::new());
+    }
+
+    /// [`Shared::put_back`], looking for leases that left their entry in `unpublished` (not
+    /// yet among the returns) first.
+    fn put_back_with(&self, locals: &[Local], unpublished: &mut [Back]) {
         for l in locals {
             let mut table = self.shard(l.hash).lock();
             for &(id, units) in &l.parts {
@@ -1467,6 +1510,10 @@ impl Shared {
                     None => {
                         // Its lease left the entry (spent to the last unit, or expired): if it
                         // has not gone back yet, the units go back with it.
+                        if let Some(b) = unpublished.iter_mut().find(|b| b.id == id) {
+                            b.units = b.units.saturating_add(units);
+                            continue;
+                        }
                         let mut returns = self.returns.lock();
                         match returns.iter_mut().find(|b| b.id == id) {
                             Some(b) => b.units = b.units.saturating_add(units),
@@ -1513,12 +1560,14 @@ impl Shared {
             .redis
             .give_back(returns.into_iter().map(|b| (b.ticket, b.units)).collect())
             .await;
-        let counter = if r.is_ok() {
-            &self.counters.units_returned
-        } else {
-            &self.counters.units_dropped
+        let (failed, r) = match r {
+            Ok(()) => (0, Ok(())),
+            Err((failed, e)) => (failed.min(units), Err(e)),
         };
-        counter.fetch_add(units, Ordering::Relaxed);
+        let c = &self.counters;
+        c.units_returned
+            .fetch_add(units - failed, Ordering::Relaxed);
+        c.units_dropped.fetch_add(failed, Ordering::Relaxed);
         r
     }
 }

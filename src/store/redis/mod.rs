@@ -117,7 +117,10 @@
 //!   needed).
 //!
 //! If a slot fails, the slots that consumed are refunded and the call returns the error. A call
-//! that times out between consuming and refunding leaves its cost consumed (an over-rejection).
+//! across slots runs in a task of its own, and its timeout ends the wait, not the call: its
+//! refunds still run, and a call admitted everywhere after its caller stopped waiting is
+//! taken back. Only one admitted in the instant between that check and its answer leaves its
+//! cost consumed (an over-rejection).
 //!
 //! # Hot keys: leased quota
 //!
@@ -530,13 +533,38 @@ impl RedisStore {
             }
             Ok(Prepared::Ask(call)) => {
                 let inner = Arc::clone(&self.inner);
+                let first_slot = call.items[0].slot;
+                if call.items.iter().all(|it| it.slot == first_slot) {
+                    return Box::pin(async move { inner.take(&call, &|| false).await });
+                }
+                // Across slots: the call runs in a task of its own, so that a timeout stops
+                // the wait, not the call. Its refunds still run when a slot fails, and what
+                // it took after its caller stopped waiting goes back (a lease's `want` can be
+                // a tenth of the limit: cut off between consuming and refunding, it would
+                // stay consumed).
                 Box::pin(async move {
-                    let first_slot = call.items[0].slot;
-                    if call.items.iter().all(|it| it.slot == first_slot) {
-                        return inner.take(&call).await;
-                    }
-                    match tokio::time::timeout(inner.timeout, inner.take(&call)).await {
-                        Ok(r) => r,
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    let worker = RedisStore {
+                        inner: Arc::clone(&inner),
+                    };
+                    tokio::spawn(async move {
+                        let r = worker.inner.take(&call, &|| tx.is_closed()).await;
+                        if let Err(Ok(taken)) = tx.send(r) {
+                            // The caller stopped waiting in the last instant: its leases'
+                            // units go back (the other checks' stay consumed).
+                            let back: Vec<(Ticket, u64)> = taken
+                                .items
+                                .into_iter()
+                                .filter_map(|it| Some((it.ticket?, it.granted)))
+                                .collect();
+                            let _ = worker.give_back(back).await;
+                        }
+                    });
+                    match tokio::time::timeout(inner.timeout, rx).await {
+                        Ok(Ok(r)) => r,
+                        Ok(Err(_)) => Err(StoreError::Backend(
+                            "the call's task ended without an answer".into(),
+                        )),
                         Err(_) => Err(StoreError::Timeout(inner.timeout)),
                     }
                 })
@@ -545,8 +573,12 @@ impl RedisStore {
     }
 
     /// Gives back `unspent` units of each lease (0: a bucket only forgets its pending refund),
-    /// one refund.lua call per key, all at once. The first error, if any.
-    pub(crate) async fn give_back(&self, leases: Vec<(Ticket, u64)>) -> Result<(), StoreError> {
+    /// one refund.lua call per key, all at once. On failure: the units of the keys whose call
+    /// failed, and the first error.
+    pub(crate) async fn give_back(
+        &self,
+        leases: Vec<(Ticket, u64)>,
+    ) -> Result<(), (u64, StoreError)> {
         let inner = &self.inner;
         // Grouped by key in a map: a sweep can return thousands of leases at once.
         let mut by_key: std::collections::HashMap<Key, Vec<(Ticket, u64)>> =
@@ -562,15 +594,21 @@ impl RedisStore {
         }
         let calls = by_key.into_values().map(|group| async move {
             let build = || inner.refund_args(inner.now_args(), group.iter().cloned(), "refund");
+            let units: u64 = group.iter().map(|(_, u)| *u).sum();
             eval::<Value, _>(&inner.pool, &inner.scripts.refund, build)
                 .await
-                .map_err(|e| backend_error(&e, inner.timeout))
+                .map_err(|e| (units, backend_error(&e, inner.timeout)))
         });
-        futures_util::future::join_all(calls)
-            .await
-            .into_iter()
-            .find_map(Result::err)
-            .map_or(Ok(()), Err)
+        let mut failed: Option<(u64, StoreError)> = None;
+        for r in futures_util::future::join_all(calls).await {
+            if let Err((units, e)) = r {
+                failed = Some(match failed {
+                    None => (units, e),
+                    Some((n, first)) => (n.saturating_add(units), first),
+                });
+            }
+        }
+        failed.map_or(Ok(()), Err)
     }
 }
 
@@ -979,8 +1017,24 @@ impl Inner {
             // drops the command if it is still queued (while reconnecting, say).
             return self.decide(&call).await;
         }
-        match tokio::time::timeout(self.timeout, self.decide(&call)).await {
-            Ok(r) => r,
+        // Across slots: the call runs in a task of its own, so that a timeout stops the wait,
+        // not the call: its refunds still run when a slot fails, and if it was admitted after
+        // its caller stopped waiting, what it consumed goes back.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let inner = Arc::clone(&self);
+        tokio::spawn(async move {
+            let r = async {
+                let answers = inner.answers(&call, &|| tx.is_closed()).await?;
+                Ok(inner.verdict(&call, answers.iter().map(|(g, a)| (a, g.items.clone()))))
+            }
+            .await;
+            let _ = tx.send(r);
+        });
+        match tokio::time::timeout(self.timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(StoreError::Backend(
+                "the call's task ended without an answer".into(),
+            )),
             Err(_) => Err(StoreError::Timeout(self.timeout)),
         }
     }
@@ -1013,13 +1067,19 @@ impl Inner {
     }
 
     async fn decide(&self, call: &Call) -> Result<Decision, StoreError> {
-        let answers = self.answers(call).await?;
+        let answers = self.answers(call, &|| false).await?;
         Ok(self.verdict(call, answers.iter().map(|(g, a)| (a, g.items.clone()))))
     }
 
     /// Runs the call's scripts: one per slot, and the cross-slot protocol when there are
     /// several. The groups come in the order of [`Inner::slot_groups`].
-    async fn answers<'c>(&self, call: &'c Call) -> Result<Vec<(Group<'c>, Answer)>, StoreError> {
+    /// `gone`: whether the caller stopped waiting (across slots, a call admitted everywhere
+    /// is then taken back).
+    async fn answers<'c>(
+        &self,
+        call: &'c Call,
+        gone: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Vec<(Group<'c>, Answer)>, StoreError> {
         let first_slot = call.items[0].slot;
         if call.items.iter().all(|it| it.slot == first_slot) {
             let items: SmallVec<[&Item; 4]> = call.items.iter().collect();
@@ -1030,7 +1090,7 @@ impl Inner {
             let answer = self.consume(call, &group).await?;
             return Ok(vec![(group, answer)]);
         }
-        self.consume_across_slots(call).await
+        self.consume_across_slots(call, gone).await
     }
 
     /// The refund tokens of a group's items: a bucket needs one to be refunded (a lease's
@@ -1053,8 +1113,12 @@ impl Inner {
 
     /// A lease-taking call: the verdict, and each check's own answer with what it consumed
     /// and how to give a lease's unspent part back.
-    async fn take(&self, call: &Call) -> Result<Taken, StoreError> {
-        let answers = self.answers(call).await?;
+    async fn take(
+        &self,
+        call: &Call,
+        gone: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Taken, StoreError> {
+        let answers = self.answers(call, gone).await?;
         let decision = self.verdict(call, answers.iter().map(|(g, a)| (a, g.items.clone())));
         let mut items: SmallVec<[TakenItem; 4]> = SmallVec::new();
         for (group, answer) in &answers {
@@ -1136,6 +1200,7 @@ impl Inner {
     async fn consume_across_slots<'c>(
         &self,
         call: &'c Call,
+        gone: &(dyn Fn() -> bool + Sync),
     ) -> Result<Vec<(Group<'c>, Answer)>, StoreError> {
         let groups: Vec<Group<'_>> = Self::slot_groups(call)
             .into_iter()
@@ -1147,7 +1212,8 @@ impl Inner {
         let results =
             futures_util::future::join_all(groups.iter().map(|g| self.consume(call, g))).await;
         let all_admitted = results.iter().all(|r| matches!(r, Ok(a) if a.admitted));
-        if all_admitted {
+        let gone = all_admitted && gone();
+        if all_admitted && !gone {
             // Nothing to take back: let the buckets forget the pending refunds, off the
             // caller's path (but not those of leases: their unspent part comes back later).
             for (g, r) in groups.iter().zip(&results) {
@@ -1188,6 +1254,10 @@ impl Inner {
                 _ => None,
             });
             let _ = futures_util::future::join_all(refunds).await;
+            if gone {
+                // Admitted everywhere, but nobody waits for it any more: all went back.
+                return Err(StoreError::Timeout(self.timeout));
+            }
         }
         groups
             .into_iter()
