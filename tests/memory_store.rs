@@ -412,3 +412,128 @@ fn a_full_store_makes_room_from_recovered_state_and_counts_live_state_it_forgets
         }
     }
 }
+
+/// One policy per algorithm at 5 per 15 minutes (a login limit), and one per algorithm whose
+/// state lives longer: one request an hour.
+fn login_and_hourly() -> Vec<(Policy, Policy)> {
+    let w = Duration::from_secs(15 * 60);
+    let h = Duration::from_secs(3600);
+    let login = Rate::new(5, w);
+    let hourly = Rate::per_hour(1);
+    vec![
+        (
+            Policy::fixed_window(5, w).unwrap(),
+            Policy::fixed_window(1, h).unwrap(),
+        ),
+        (
+            Policy::sliding_log(5, w).unwrap(),
+            Policy::sliding_log(1, h).unwrap(),
+        ),
+        (
+            Policy::sliding_window(5, w).unwrap(),
+            Policy::sliding_window(1, h).unwrap(),
+        ),
+        (
+            Policy::token_bucket(login, 5).unwrap(),
+            Policy::token_bucket(hourly, 1).unwrap(),
+        ),
+        (
+            Policy::leaky_bucket(login, 5).unwrap(),
+            Policy::leaky_bucket(hourly, 1).unwrap(),
+        ),
+        (
+            Policy::gcra(login, 5).unwrap(),
+            Policy::gcra(hourly, 1).unwrap(),
+        ),
+    ]
+}
+
+#[test]
+fn a_flood_of_barely_used_keys_cannot_buy_back_an_exhausted_quota() {
+    // Issue #14: a login key exhausted at 5 per 15 minutes, then, a second later, 100,000 new
+    // keys that make one request each: under the same policy, and under one whose state lives
+    // longer than the login key's (which a store that forgets what recovers soonest would
+    // sacrifice the login key to).
+    for (login, hourly) in login_and_hourly() {
+        for flood in [&login, &hourly] {
+            let clock = ManualClock::new();
+            let store = MemoryStore::builder()
+                .clock(clock.clone())
+                .max_keys(1024)
+                .shards(4)
+                .build();
+            for _ in 0..5 {
+                assert!(store.check_now("login:alice", &login, 1).unwrap().allowed());
+            }
+            clock.advance(Duration::from_secs(1));
+            for i in 0..100_000u64 {
+                let key = format!("ip:{i}");
+                assert!(
+                    store.check_now(&key, flood, 1).unwrap().allowed(),
+                    "{flood:?}"
+                );
+                clock.advance(Duration::from_micros(100));
+                if i % 10_000 == 0 {
+                    assert!(store.len() <= 1024, "{flood:?}: {}", store.len());
+                }
+            }
+            assert!(store.len() <= 1024, "{flood:?}: {}", store.len());
+            // Nothing recovered during the flood: all but the room the store has was evicted.
+            assert!(store.evicted() >= 100_000 - 1024, "{flood:?}");
+            let d = store.check_now("login:alice", &login, 1).unwrap();
+            assert!(!d.allowed(), "{login:?}: forgotten in a flood of {flood:?}");
+            assert_eq!(d.remaining(), 0, "{login:?}");
+        }
+    }
+}
+
+#[test]
+fn a_flood_evicts_the_least_consumed_first_and_recovered_state_before_any() {
+    for (login, hourly) in login_and_hourly() {
+        let clock = ManualClock::new();
+        // One shard of 64 pairs; a scan that must forget live state forgets 4.
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .max_keys(64)
+            .shards(1)
+            .build();
+        // "done" recovers at 15 minutes (sliding window: 30), "used:i" has used i + 1 units of
+        // the login limit, and 59 long-lived keys one unit of an hourly one.
+        let short = Policy::fixed_window(5, Duration::from_secs(60)).unwrap();
+        store.check_now("done", &short, 5).unwrap();
+        for i in 0..4 {
+            store
+                .check_now(&format!("used:{i}"), &login, i + 2)
+                .unwrap();
+        }
+        for i in 0..59 {
+            store.check_now(&format!("old:{i}"), &hourly, 1).unwrap();
+        }
+        assert_eq!(store.len(), 64);
+        // "done" has recovered: it makes room, for free, however little the others consumed.
+        clock.set(Duration::from_secs(60));
+        store.check_now("new:0", &hourly, 1).unwrap();
+        assert_eq!((store.len(), store.evicted()), (64, 0), "{login:?}");
+        let refused =
+            |key: &str, p: &Policy| !store.check_now(key, p, p.limit()).unwrap().allowed();
+        assert!(
+            (0..59).all(|i| refused(&format!("old:{i}"), &hourly)),
+            "{login:?}"
+        );
+        // Full of live state: each new key now costs the least consumed, a sixteenth at a
+        // time; 60 new keys push out every one-unit key, never a key that used more.
+        for i in 1..=60 {
+            store.check_now(&format!("new:{i}"), &hourly, 1).unwrap();
+            assert!(store.len() <= 64);
+        }
+        assert_eq!(store.evicted(), 60, "{login:?}");
+        for i in 0..4 {
+            let d = store.check_now(&format!("used:{i}"), &login, 0).unwrap();
+            assert_eq!(
+                d.remaining(),
+                5 - (i + 2),
+                "{login:?}: used:{i} was forgotten"
+            );
+        }
+    }
+}

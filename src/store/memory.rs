@@ -38,22 +38,51 @@ pub const DEFAULT_MEMORY_STORE_NAME: &str = "memory";
 /// - **Bounded.** At most about `max_keys` (key, policy) pairs are tracked (by default
 ///   2^20). When a shard is full, state that has fully recovered is dropped first, which
 ///   changes no decision (a recovered key is indistinguishable from a new one): live state is
-///   never forgotten while recovered state remains. If the shard is full of live state, the
-///   sixteenth of it closest to recovery is forgotten, so a flood of new keys cannot grow
-///   memory; those keys may then be admitted early, and [`MemoryStore::evicted`] counts them.
-///   Size `max_keys` above your live key count.
+///   never forgotten while recovered state remains. If the shard is full of live state, it
+///   forgets the sixteenth of it whose loss gives away least: the pairs that have consumed
+///   the fewest units of their policy as of now, and of those the closest to recovery. A
+///   pair's units consumed are what forgetting it would admit at once beyond what it still
+///   admits (`limit - remaining`): a bucket's level (token bucket: the tokens missing), GCRA's
+///   backlog, in units rounded up; a fixed window's count; a sliding window counter's weighted
+///   count, rounded down; a sliding log's live entries. So a flood of new keys cannot grow
+///   memory, and what it pushes out first is barely used state. Those keys may then be
+///   admitted early, and [`MemoryStore::evicted`] counts them. Size `max_keys` above your live
+///   key count.
+/// - **What a flood of keys can still buy back.** A pair that has consumed `u` units is
+///   forgotten only when its shard is full of live state and at least `cap - cap/16` other
+///   pairs of that shard (`cap`: `max_keys` divided by the shard count) have each consumed at
+///   least `u` units as of that moment (those as consumed recovering no sooner). Keys are
+///   spread over shards by a hash with a per-store random seed, so an attacker cannot aim at
+///   one shard: to make the store forget a login key exhausted at 5 per 15 minutes, it must
+///   hold about 15/16 of `max_keys` other pairs at 5 units or more each, all at once, that is
+///   spend on the order of `5 × max_keys` admitted requests inside 15 minutes to regain 5. A
+///   flood of keys that each made one request, whatever its size, never pushes out a pair
+///   that has consumed two units or more. What remains:
+///   - units are each policy's own, not weighted by its limit or period: a pair that made 6
+///     requests under a generous 1000 per second policy outranks a login key exhausted at 5
+///     per 15 minutes in the same store. Keep a few-requests policy that guards something
+///     (logins, password resets) in a `MemoryStore` of its own, or weigh it with a cost;
+///   - the honest pairs least used are forgotten first, with the flood's: each of them gets
+///     back the few units it had used;
+///   - a pair that has consumed one unit (a limit of 1, or a key used once) is as cheap as a
+///     flood's key, and being older it recovers sooner, so it goes first;
+///   - consumption is taken as of the moment the shard is full: a pair that has nearly
+///     recovered ranks as the little it still holds.
 /// - **Amortised O(1) when full.** A full shard in which little has recovered keeps the
 ///   sixteenth of its pairs due to recover soonest in order, and forgets the first of them
 ///   once it has recovered without looking at the others: whatever the rate of new keys, it
 ///   scans all its pairs at most about once per sixty-fourth of its capacity of new keys (or
-///   of requests that delay the recovery of a pair in that order).
+///   of requests that delay the recovery of a pair in that order). A scan that must forget
+///   live state ranks every pair (a division or two each) and frees a sixteenth of the shard,
+///   so under a flood that nothing recovers from it runs once per sixteenth of new keys.
 /// - **Cost per key.** A tracked pair takes one slot in its algorithm's hash table, plus a
 ///   control byte and the table's spare capacity: 40 bytes for GCRA, 48 for the leaky bucket,
 ///   56 for the token bucket and the fixed window, 64 for the sliding window counter and 80
 ///   for the sliding log, whose entries take 16 bytes each on the heap. A key of up to 23
 ///   bytes is stored in the slot; a longer one adds a heap copy. A shard that has been full
 ///   also keeps 24 bytes for each pair in its eviction order (about a sixteenth of them, so
-///   1.5 bytes per key). Measured with 100,000 keys: about 54 bytes per key for GCRA (under
+///   1.5 bytes per key), and each shard 24 bytes (and a control byte) for each policy with a
+///   pair in it. Measured with 100,000 keys: about 54 bytes per key for GCRA (under
 ///   60 resident), 85 for the sliding window counter (`cargo bench --bench memory_per_key`;
 ///   BENCHMARKS.md has every figure).
 ///
@@ -114,9 +143,83 @@ struct Shard {
     sliding_window: Table<Timed<SlidingWindow>>,
     sliding_log: Table<Timed<SlidingLog>>,
     order: Soonest,
+    policies: Policies,
 }
 
 type Table<S> = HashTable<Slot<S>>;
+
+/// The period of every policy that has a pair in the shard, so that a scan can count what each
+/// pair has consumed, in units of its own policy, without the policy at hand. One entry per
+/// policy, counting its pairs: it goes with the last of them, so there are never more entries
+/// than pairs (and usually a handful).
+#[derive(Default)]
+struct Policies(HashTable<Known>);
+
+/// A policy in [`Policies`]; its id, already a hash, is its hash in the table.
+struct Known {
+    id: u64,
+    period: u64,
+    pairs: usize,
+}
+
+impl Policies {
+    /// Counts a new pair of `policy`.
+    #[inline]
+    fn add(&mut self, policy: &Policy) {
+        let id = policy.id();
+        match self.0.find_mut(id, |k| k.id == id) {
+            Some(known) => known.pairs += 1,
+            None => {
+                let known = Known {
+                    id,
+                    period: policy.period_nanos(),
+                    pairs: 1,
+                };
+                self.0.insert_unique(id, known, |k| k.id);
+            }
+        }
+    }
+
+    /// Counts a pair of policy `id` forgotten.
+    #[inline]
+    fn remove(&mut self, id: u64) {
+        if let Ok(mut entry) = self.0.find_entry(id, |k| k.id == id) {
+            if entry.get().pairs > 1 {
+                entry.get_mut().pairs -= 1;
+            } else {
+                entry.remove();
+            }
+        }
+    }
+
+    /// The period of policy `id`, if it has a pair in the shard.
+    #[inline]
+    fn period(&self, id: u64) -> Option<u64> {
+        self.0.find(id, |k| k.id == id).map(|k| k.period)
+    }
+}
+
+/// What forgetting a live slot gives away, compared when a full shard must forget some: the
+/// units it has consumed as of now, then its expiry (of two slots as consumed, the one closer
+/// to recovery goes first).
+type Rank = (u64, u64);
+
+/// The rank of `slot` at `now`. A slot whose policy is unknown (never: every tracked pair is
+/// counted in [`Policies`]) ranks as if it had consumed everything.
+#[inline]
+fn rank<S: Kept>(slot: &Slot<S>, policies: &Policies, now: u64) -> Rank {
+    let consumed = policies
+        .period(slot.policy)
+        .map_or(u64::MAX, |period| slot.state.consumed(period, now));
+    (consumed, slot.state.expires())
+}
+
+/// `nanos` of a bucket's backlog in units of `period`, rounded up: a bucket `nanos` short of
+/// full admits `limit - units` at once.
+#[inline]
+fn units(nanos: u64, period: u64) -> u64 {
+    nanos.div_ceil(period.max(1))
+}
 
 /// What a shard knows of which slots recover first, so that a full shard can usually free a
 /// recovered slot without scanning the others. It relies on expiries never moving earlier (a
@@ -189,25 +292,26 @@ enum Found {
     Gone,
 }
 
-/// The `n` smallest of some expiries: those before `at`, and `ties` of those at `at`.
-struct Cut {
-    at: u64,
+/// The `n` smallest of some values (expiries, or ranks): those below `at`, and `ties` of those
+/// equal to `at`.
+struct Cut<T> {
+    at: T,
     ties: usize,
 }
 
-impl Cut {
-    /// The `n` smallest of `expiries` (1 <= n <= len), which it reorders.
-    fn smallest(expiries: &mut [u64], n: usize) -> Self {
-        let (below, &mut at, _) = expiries.select_nth_unstable(n - 1);
+impl<T: Ord + Copy> Cut<T> {
+    /// The `n` smallest of `values` (1 <= n <= len), which it reorders.
+    fn smallest(values: &mut [T], n: usize) -> Self {
+        let (below, &mut at, _) = values.select_nth_unstable(n - 1);
         let ties = n - below.iter().filter(|&&e| e < at).count();
         Cut { at, ties }
     }
 
-    /// Whether a slot that expires at `expires` is one of the `n`; call once per slot.
-    fn takes(&mut self, expires: u64) -> bool {
-        if expires < self.at {
+    /// Whether a slot of value `value` is one of the `n`; call once per slot.
+    fn takes(&mut self, value: T) -> bool {
+        if value < self.at {
             true
-        } else if expires == self.at && self.ties > 0 {
+        } else if value == self.at && self.ties > 0 {
             self.ties -= 1;
             true
         } else {
@@ -290,6 +394,11 @@ trait Kept: Sized {
     /// changes no decision. [`Kept::apply`] never makes it earlier; [`Soonest`] relies on it.
     fn expires(&self) -> u64;
 
+    /// The units of its policy (whose period is `period`) that the state holds consumed at
+    /// `now`: what forgetting it would admit at once beyond what it admits, `limit -
+    /// remaining` of a check of cost 0 at `now`.
+    fn consumed(&self, period: u64, now: u64) -> u64;
+
     fn table(shard: &Shard) -> &Table<Self>;
 
     fn table_mut(shard: &mut Shard) -> &mut Table<Self>;
@@ -333,6 +442,10 @@ impl Kept for Gcra {
         self.recovered_at()
     }
 
+    fn consumed(&self, period: u64, now: u64) -> u64 {
+        units(self.tat.saturating_sub(now), period)
+    }
+
     fn table(shard: &Shard) -> &Table<Self> {
         &shard.gcra
     }
@@ -369,6 +482,14 @@ impl Kept for LeakyBucket {
         self.recovered_at()
     }
 
+    fn consumed(&self, period: u64, now: u64) -> u64 {
+        // The level left at `now` (time never runs backwards inside a state).
+        units(
+            self.recovered_at().saturating_sub(now.max(self.last)),
+            period,
+        )
+    }
+
     fn table(shard: &Shard) -> &Table<Self> {
         &shard.leaky_bucket
     }
@@ -392,6 +513,8 @@ trait Algo: Sized {
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update);
     fn apply(&mut self, policy: &Policy, update: Update);
     fn recovered_at(&self, policy: &Policy) -> u64;
+    /// [`Kept::consumed`], given the expiry kept beside the state.
+    fn consumed(&self, expires: u64, period: u64, now: u64) -> u64;
     fn table(shard: &Shard) -> &Table<Timed<Self>>;
     fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>>;
 }
@@ -421,6 +544,10 @@ impl<S: Algo> Kept for Timed<S> {
     #[inline]
     fn expires(&self) -> u64 {
         self.expires
+    }
+
+    fn consumed(&self, period: u64, now: u64) -> u64 {
+        self.state.consumed(self.expires, period, now)
     }
 
     fn table(shard: &Shard) -> &Table<Self> {
@@ -458,6 +585,11 @@ impl Algo for TokenBucket {
         TokenBucket::recovered_at(self, policy.limit(), policy.period_nanos())
     }
 
+    fn consumed(&self, expires: u64, period: u64, now: u64) -> u64 {
+        // The bucket is full again at `expires`: until then it lacks `expires - now` of credit.
+        units(expires.saturating_sub(now.max(self.last)), period)
+    }
+
     fn table(shard: &Shard) -> &Table<Timed<Self>> {
         &shard.token_bucket
     }
@@ -491,6 +623,14 @@ impl Algo for FixedWindow {
     #[inline]
     fn recovered_at(&self, policy: &Policy) -> u64 {
         FixedWindow::recovered_at(self, policy.period_nanos())
+    }
+
+    fn consumed(&self, _: u64, period: u64, now: u64) -> u64 {
+        if (now / period.max(1)).max(self.window) == self.window {
+            self.count
+        } else {
+            0
+        }
     }
 
     fn table(shard: &Shard) -> &Table<Timed<Self>> {
@@ -528,6 +668,22 @@ impl Algo for SlidingWindow {
         SlidingWindow::recovered_at(self, policy.period_nanos())
     }
 
+    fn consumed(&self, _: u64, period: u64, now: u64) -> u64 {
+        // The weighted count as `check` takes it, rounded down (what it weighs on admission).
+        let w = period.max(1);
+        let k = (now / w).max(self.window);
+        let (prev, cur) = if k == self.window {
+            (self.prev, self.cur)
+        } else if Some(k) == self.window.checked_add(1) {
+            (self.cur, 0)
+        } else {
+            (0, 0)
+        };
+        let elapsed = now.saturating_sub(k.saturating_mul(w)).min(w - 1);
+        let scaled = u128::from(prev) * u128::from(w - elapsed) + u128::from(cur) * u128::from(w);
+        u64::try_from(scaled / u128::from(w)).unwrap_or(u64::MAX)
+    }
+
     fn table(shard: &Shard) -> &Table<Timed<Self>> {
         &shard.sliding_window
     }
@@ -563,6 +719,15 @@ impl Algo for SlidingLog {
         SlidingLog::recovered_at(self, policy.period_nanos())
     }
 
+    fn consumed(&self, expires: u64, period: u64, now: u64) -> u64 {
+        // The cost of the entries still in the window; the newest entry is `expires - period`.
+        let now = now.max(expires.saturating_sub(period));
+        self.entries()
+            .skip_while(|&(t, _)| t.saturating_add(period) <= now)
+            .map(|(_, cost)| cost)
+            .sum()
+    }
+
     fn table(shard: &Shard) -> &Table<Timed<Self>> {
         &shard.sliding_log
     }
@@ -584,15 +749,70 @@ impl Shard {
 
     /// Keeps the slots for which `keep(expiry)` is true.
     fn retain(&mut self, mut keep: impl FnMut(u64) -> bool) {
-        fn retain_in<S: Kept>(table: &mut Table<S>, keep: &mut impl FnMut(u64) -> bool) {
-            table.retain(|slot| keep(slot.state.expires()));
+        fn retain_in<S: Kept>(
+            table: &mut Table<S>,
+            policies: &mut Policies,
+            keep: &mut impl FnMut(u64) -> bool,
+        ) {
+            table.retain(|slot| {
+                let kept = keep(slot.state.expires());
+                if !kept {
+                    policies.remove(slot.policy);
+                }
+                kept
+            });
         }
-        retain_in(&mut self.gcra, &mut keep);
-        retain_in(&mut self.token_bucket, &mut keep);
-        retain_in(&mut self.leaky_bucket, &mut keep);
-        retain_in(&mut self.fixed_window, &mut keep);
-        retain_in(&mut self.sliding_window, &mut keep);
-        retain_in(&mut self.sliding_log, &mut keep);
+        let p = &mut self.policies;
+        retain_in(&mut self.gcra, p, &mut keep);
+        retain_in(&mut self.token_bucket, p, &mut keep);
+        retain_in(&mut self.leaky_bucket, p, &mut keep);
+        retain_in(&mut self.fixed_window, p, &mut keep);
+        retain_in(&mut self.sliding_window, p, &mut keep);
+        retain_in(&mut self.sliding_log, p, &mut keep);
+    }
+
+    /// Keeps the slots for which `keep(rank at now)` is true.
+    fn retain_ranked(&mut self, now: u64, mut keep: impl FnMut(Rank) -> bool) {
+        fn retain_in<S: Kept>(
+            table: &mut Table<S>,
+            policies: &mut Policies,
+            now: u64,
+            keep: &mut impl FnMut(Rank) -> bool,
+        ) {
+            table.retain(|slot| {
+                let kept = keep(rank(slot, policies, now));
+                if !kept {
+                    policies.remove(slot.policy);
+                }
+                kept
+            });
+        }
+        let p = &mut self.policies;
+        retain_in(&mut self.gcra, p, now, &mut keep);
+        retain_in(&mut self.token_bucket, p, now, &mut keep);
+        retain_in(&mut self.leaky_bucket, p, now, &mut keep);
+        retain_in(&mut self.fixed_window, p, now, &mut keep);
+        retain_in(&mut self.sliding_window, p, now, &mut keep);
+        retain_in(&mut self.sliding_log, p, now, &mut keep);
+    }
+
+    /// The rank of every slot at `now`.
+    fn ranks(&self, now: u64) -> Vec<Rank> {
+        fn of<'a, S: Kept>(
+            table: &'a Table<S>,
+            policies: &'a Policies,
+            now: u64,
+        ) -> impl Iterator<Item = Rank> + 'a {
+            table.iter().map(move |slot| rank(slot, policies, now))
+        }
+        let p = &self.policies;
+        of(&self.gcra, p, now)
+            .chain(of(&self.token_bucket, p, now))
+            .chain(of(&self.leaky_bucket, p, now))
+            .chain(of(&self.fixed_window, p, now))
+            .chain(of(&self.sliding_window, p, now))
+            .chain(of(&self.sliding_log, p, now))
+            .collect()
     }
 
     /// The expiry of every slot.
@@ -620,16 +840,17 @@ impl Shard {
         shrink(&mut self.fixed_window, &hash);
         shrink(&mut self.sliding_window, &hash);
         shrink(&mut self.sliding_log, &hash);
+        self.policies.0.shrink_to_fit(|k| k.id);
     }
 
     /// Frees at least one slot of a full shard, and returns how many live slots it forgot.
     ///
     /// Recovered state goes first, and costs no scan while the slot due soonest has recovered:
     /// that one is forgotten. Otherwise one scan forgets every recovered slot, and, if the
-    /// shard is still full of live state, the sixteenth of it closest to recovery. A scan that
-    /// frees less than a sixty-fourth orders the sixteenth due next. So at any steady flow of
-    /// new keys, a full shard is scanned at most about once per sixty-fourth of its capacity
-    /// of them.
+    /// shard is still full of live state, the sixteenth of it whose loss gives away least: the
+    /// least consumed as of now (ties: the closest to recovery). A scan that frees less than a
+    /// sixty-fourth orders the sixteenth due next. So at any steady flow of new keys, a full
+    /// shard is scanned at most about once per sixty-fourth of its capacity of them.
     fn make_room(&mut self, cap: usize, now: u64, hash: impl Fn(u64, &[u8]) -> u64) -> u64 {
         while let Some(&Reverse(due)) = self.order.due.peek() {
             if due.at > now {
@@ -658,19 +879,18 @@ impl Shard {
         // may be mistaken for each other, which at worst forgets the other one if it, too, has
         // recovered.
         let same = |slot: &Slot<K>| hash(slot.policy, slot.key.as_bytes()) == due.hash;
-        match K::table_mut(self).find_entry(due.hash, same) {
-            Ok(slot) if slot.get().state.expires() <= now => {
-                slot.remove();
-                Found::Recovered
-            }
-            Ok(slot) => Found::Live(slot.get().state.expires()),
-            Err(_) => Found::Gone,
-        }
+        let policy = match K::table_mut(self).find_entry(due.hash, same) {
+            Ok(slot) if slot.get().state.expires() <= now => slot.remove().0.policy,
+            Ok(slot) => return Found::Live(slot.get().state.expires()),
+            Err(_) => return Found::Gone,
+        };
+        self.policies.remove(policy);
+        Found::Recovered
     }
 
     /// Forgets every recovered slot; if that frees less than a sixty-fourth of the shard,
-    /// orders the sixteenth due next, after forgetting the sixteenth closest to recovery if
-    /// the shard is still full. Returns how many live slots were forgotten.
+    /// orders the sixteenth due next, after forgetting the sixteenth least consumed if the
+    /// shard is still full. Returns how many live slots were forgotten.
     fn scan(&mut self, cap: usize, now: u64, hash: &impl Fn(u64, &[u8]) -> u64) -> u64 {
         #[cfg(test)]
         {
@@ -685,16 +905,21 @@ impl Shard {
             self.order.later = 0;
             return 0;
         }
-        let mut expiries = self.expiries();
         let quota = (cap / 16).max(1);
         let mut evicted = 0;
-        if expiries.len() >= cap {
-            evicted = quota.min(expiries.len());
-            let mut cut = Cut::smallest(&mut expiries, evicted);
-            self.retain(|expires| !cut.takes(expires));
-        }
-        // The slots forgotten are `expiries[..evicted]`; the rest are still tracked.
-        self.order_soonest(expiries.get_mut(evicted..).unwrap_or_default(), quota, hash);
+        let mut expiries = if self.len() >= cap {
+            // Forget what gives away least: the pairs least consumed as of now.
+            let mut ranks = self.ranks(now);
+            evicted = quota.min(ranks.len());
+            let mut cut = Cut::smallest(&mut ranks, evicted);
+            self.retain_ranked(now, |rank| !cut.takes(rank));
+            // The slots forgotten are `ranks[..evicted]`; the rest are still tracked.
+            let left = ranks.get(evicted..).unwrap_or_default();
+            left.iter().map(|&(_, expires)| expires).collect()
+        } else {
+            self.expiries()
+        };
+        self.order_soonest(&mut expiries, quota, hash);
         evicted as u64
     }
 
@@ -702,7 +927,7 @@ impl Shard {
     fn order_soonest(&mut self, expiries: &mut [u64], n: usize, hash: &impl Fn(u64, &[u8]) -> u64) {
         fn due_in<S: Kept>(
             table: &Table<S>,
-            cut: &mut Cut,
+            cut: &mut Cut<u64>,
             hash: &impl Fn(u64, &[u8]) -> u64,
             due: &mut Vec<Reverse<Due>>,
         ) {
@@ -1107,6 +1332,7 @@ impl<C> Inner<C> {
                 self.evictions.increment(evicted);
             }
         }
+        shard.policies.add(policy);
         shard.order.track(Due {
             at: state.expires(),
             hash,
@@ -1289,6 +1515,131 @@ mod tests {
         out
     }
 
+    /// Every tracked pair of the store's only shard, and its rank now.
+    fn ranked(store: &MemoryStore<ManualClock>) -> Vec<(Pair, Rank)> {
+        fn of<S: Kept>(table: &Table<S>, p: &Policies, now: u64, out: &mut Vec<(Pair, Rank)>) {
+            for slot in table {
+                let id = (
+                    format!("{:?}", S::ALGORITHM),
+                    slot.policy,
+                    slot.key.as_bytes().to_vec(),
+                );
+                out.push((id, rank(slot, p, now)));
+            }
+        }
+        let now = store.clock().now();
+        let shard = store.inner.shards[0].0.lock();
+        let (p, mut out) = (&shard.policies, Vec::new());
+        of(&shard.gcra, p, now, &mut out);
+        of(&shard.token_bucket, p, now, &mut out);
+        of(&shard.leaky_bucket, p, now, &mut out);
+        of(&shard.fixed_window, p, now, &mut out);
+        of(&shard.sliding_window, p, now, &mut out);
+        of(&shard.sliding_log, p, now, &mut out);
+        out
+    }
+
+    /// The policies the only shard counts, and their pairs.
+    fn policies(store: &MemoryStore<ManualClock>) -> Vec<(u64, usize)> {
+        let shard = store.inner.shards[0].0.lock();
+        let mut out: Vec<_> = shard.policies.0.iter().map(|k| (k.id, k.pairs)).collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// The policies of the pairs the only shard tracks, and how many pairs each.
+    fn policies_of_pairs(store: &MemoryStore<ManualClock>) -> Vec<(u64, usize)> {
+        let mut out: Vec<(u64, usize)> = Vec::new();
+        for ((_, policy, _), _) in slots(store) {
+            match out.iter_mut().find(|(id, _)| *id == policy) {
+                Some((_, n)) => *n += 1,
+                None => out.push((policy, 1)),
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
+    /// What the only shard's pair of (`key`, `policy`) has consumed now, by [`Kept::consumed`].
+    fn consumed(store: &MemoryStore<ManualClock>, key: &str, policy: &Policy) -> Option<u64> {
+        fn of<S: Kept>(shard: &Shard, hash: u64, key: &str, p: &Policy, now: u64) -> Option<u64> {
+            let slot = S::table(shard).find(hash, |s| s.is(p.id(), key))?;
+            Some(slot.state.consumed(p.period_nanos(), now))
+        }
+        let now = store.clock().now();
+        let hash = store.inner.hash(policy.id(), key.as_bytes());
+        let shard = store.inner.shards[0].0.lock();
+        with_kept!(policy.algorithm(), K => of::<K>(&shard, hash, key, policy, now))
+    }
+
+    #[test]
+    fn what_a_pair_has_consumed_is_what_forgetting_it_would_admit_at_once() {
+        let ms = Duration::from_millis;
+        let rate = Rate::new(1, ms(7));
+        let policies = [
+            Policy::gcra(rate, 5).unwrap(),
+            Policy::token_bucket(rate, 5).unwrap(),
+            Policy::leaky_bucket(rate, 5).unwrap(),
+            Policy::fixed_window(5, ms(30)).unwrap(),
+            Policy::sliding_window(5, ms(30)).unwrap(),
+            Policy::sliding_log(5, ms(30)).unwrap(),
+        ];
+        for policy in &policies {
+            let store = one_shard(16);
+            let mut rng = 0x2545_F491_4F6C_DD1Du64;
+            let mut next = |n: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % n
+            };
+            let mut live = 0;
+            for _ in 0..3000 {
+                // Steps of 0 to 4 ms, now and then one far ahead (and one nanosecond, which
+                // lands between units).
+                let step = match next(20) {
+                    0 => Duration::from_nanos(1),
+                    1 => ms(45),
+                    _ => Duration::from_micros(next(4000)),
+                };
+                store.clock().advance(step);
+                let cost = next(policy.limit()) + 1;
+                store.check_now("k", policy, cost).unwrap();
+                let Some(consumed) = consumed(&store, "k", policy) else {
+                    continue;
+                };
+                let remaining = store.check_now("k", policy, 0).unwrap().remaining();
+                assert_eq!(consumed, policy.limit() - remaining, "{policy:?}");
+                live += u64::from(consumed > 0);
+            }
+            assert!(live > 500, "{policy:?}: {live}");
+        }
+    }
+
+    #[test]
+    fn the_shard_counts_the_policies_of_its_pairs_and_no_others() {
+        // Pairs of many policies come and go: by recovery (from the order and by a scan), by
+        // eviction, and by a sweep.
+        let ms = Duration::from_millis;
+        let store = one_shard(64);
+        for i in 0..2000u64 {
+            let p = match i % 3 {
+                0 => Policy::gcra(Rate::new(1, ms(1 + i % 50)), 1),
+                1 => Policy::sliding_log(2, ms(1 + i % 70)),
+                _ => Policy::fixed_window(3, Duration::from_secs(3600)),
+            };
+            let p = p.unwrap().named(format!("p{}", i % 97)).unwrap();
+            store.check_now(&format!("k{i}"), &p, 1).unwrap();
+            store.clock().advance(ms(i % 3));
+            assert_eq!(policies(&store), policies_of_pairs(&store), "after {i}");
+        }
+        assert!(store.evicted() > 0 && scans(&store) > 1);
+        store.clock().advance(Duration::from_secs(4000));
+        store.sweep();
+        assert!(policies(&store).is_empty());
+        assert_eq!(store.inner.shards[0].0.lock().policies.0.capacity(), 0);
+    }
+
     #[test]
     fn a_full_shard_under_a_steady_flow_of_new_keys_is_scanned_once_per_sixteenth() {
         // Each key recovers `cap` ms after its request, and a new key comes every ms: once
@@ -1384,18 +1735,18 @@ mod tests {
                     }
                 };
                 let now = store.clock().now();
-                let before = slots(&store);
+                let before = ranked(&store);
                 let (evicted, scanned) = (store.evicted(), scans(&store));
                 store.check_now(&key, p, 1).unwrap();
                 let after = slots(&store);
                 assert!(after.len() <= cap);
                 let kept = |id: &Pair| after.iter().any(|(a, _)| a == id);
-                let forgotten: Vec<u64> = before
+                let forgotten: Vec<Rank> = before
                     .iter()
                     .filter(|(id, _)| !kept(id))
-                    .map(|&(_, e)| e)
+                    .map(|&(_, r)| r)
                     .collect();
-                let live: Vec<u64> = forgotten.iter().copied().filter(|&e| e > now).collect();
+                let live: Vec<Rank> = forgotten.iter().copied().filter(|r| r.1 > now).collect();
                 assert_eq!(store.evicted() - evicted, live.len() as u64, "seed {seed}");
                 if !forgotten.is_empty() && scans(&store) == scanned {
                     // Room made from the order: one recovered slot.
@@ -1406,14 +1757,15 @@ mod tests {
                     continue;
                 }
                 // Live state went only because the shard was full of it: nothing recovered is
-                // left, and what went was the sixteenth closest to recovery.
+                // left, and what went was the sixteenth least consumed (of equals, the closest
+                // to recovery).
                 assert_eq!(before.len(), cap, "seed {seed}");
                 assert!(forgotten.len() == live.len(), "seed {seed}: {forgotten:?}");
                 assert_eq!(live.len(), quota, "seed {seed}");
-                let latest = live.iter().max().copied().unwrap_or(0);
+                let highest = live.iter().max().copied().unwrap_or_default();
                 let survivors = before.iter().filter(|(id, _)| kept(id));
-                assert!(survivors.clone().all(|&(_, e)| e > now), "seed {seed}");
-                assert!(survivors.clone().all(|&(_, e)| e >= latest), "seed {seed}");
+                assert!(survivors.clone().all(|&(_, r)| r.1 > now), "seed {seed}");
+                assert!(survivors.clone().all(|&(_, r)| r >= highest), "seed {seed}");
             }
             // The test reaches a shard full of live state, and one that frees recovered state
             // without a scan.

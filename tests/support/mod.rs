@@ -68,6 +68,8 @@ pub struct RedisServer {
     pub port: u16,
     dir: PathBuf,
     cluster: bool,
+    /// More `redis-server` arguments (`--maxmemory 2mb`...), kept across restarts.
+    extra: Vec<String>,
 }
 
 impl RedisServer {
@@ -79,12 +81,29 @@ impl RedisServer {
         Some(Self::spawn(free_port(), false))
     }
 
+    /// A single node started with more arguments (such as `["--maxmemory", "2mb"]`), or None
+    /// (after the skip message) without Redis.
+    pub fn start_with(args: &[&str]) -> Option<Self> {
+        if !redis_available() {
+            return None;
+        }
+        Some(Self::spawn_with(
+            free_port(),
+            false,
+            args.iter().map(|a| a.to_string()).collect(),
+        ))
+    }
+
     /// A single node on `port` (see [`free_port`]); Redis must be installed.
     pub fn start_on(port: u16) -> Self {
         Self::spawn(port, false)
     }
 
     fn spawn(port: u16, cluster: bool) -> Self {
+        Self::spawn_with(port, cluster, Vec::new())
+    }
+
+    fn spawn_with(port: u16, cluster: bool, extra: Vec<String>) -> Self {
         let dir =
             std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
@@ -93,6 +112,7 @@ impl RedisServer {
             port,
             dir,
             cluster,
+            extra,
         };
         s.launch();
         s
@@ -112,6 +132,7 @@ impl RedisServer {
                 .args(["--cluster-config-file", "nodes.conf"])
                 .args(["--cluster-node-timeout", "2000"]);
         }
+        cmd.args(&self.extra);
         self.child = Some(cmd.spawn().expect("start redis-server"));
         // Wait for the process to accept commands (bounded).
         for _ in 0..200 {

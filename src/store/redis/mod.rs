@@ -140,6 +140,40 @@
 //! (fail open, closed or to a local store) and the circuit breaker are the business of
 //! [`ResilientStore`](crate::store::ResilientStore), which wraps any store.
 //!
+//! # Memory: which `maxmemory-policy`
+//!
+//! Every key tollgate writes has a TTL, so its keys free themselves once their state has
+//! recovered; what a full Redis does to them depends on its `maxmemory-policy`, which is one
+//! setting for the whole server:
+//!
+//! - **`noeviction` is the one that keeps quotas.** Redis never forgets a counter; once
+//!   `used_memory` passes `maxmemory`, Redis refuses a script whose first write is one that
+//!   can grow memory (`HSET`, `RPUSH`: the first write of every admission, but for a sliding
+//!   log that drops expired entries first) with an `OOM command not allowed` error, and the
+//!   check returns [`StoreError::Backend`]: the request goes to your failure policy
+//!   ([`ResilientStore`](crate::store::ResilientStore)), not to a decision. An exhausted key
+//!   stays refused (a refusal writes nothing, so Redis still answers it). Fail closed (or to a
+//!   local store) if a full Redis must not open limits; failing open admits every new key
+//!   while Redis is full. Size `maxmemory` for your live keys (a few hundred bytes each) and
+//!   watch for the errors. (Until this release the sliding log's first write to a new key was
+//!   a `DEL`, after which Redis lets a script write past `maxmemory`: a flood grew a 2 MB
+//!   Redis to 10 MB.)
+//! - **Every evicting policy can buy a quota back.** `volatile-ttl` evicts the keys that
+//!   expire soonest: an exhausted key written before a flood of new keys of the same policy
+//!   goes first. `volatile-lru`, `volatile-lfu` and `volatile-random` choose among keys with a
+//!   TTL, which is all of tollgate's; `allkeys-lru`, `allkeys-lfu` and `allkeys-random` among
+//!   every key. Whichever key is evicted is read as fresh by the next check, which is admitted
+//!   with the whole limit: a flood of new keys (one request each) can make Redis forget an
+//!   exhausted key, and Redis reports no error. Under these policies give tollgate a Redis of
+//!   its own (a cache that needs `allkeys-lru` should not share one with limits), large
+//!   enough never to evict (`evicted_keys` in `INFO stats` stays 0).
+//!
+//! `tests/redis_memory.rs` shows both on servers of 2 MB: under `noeviction` a flood gets OOM
+//! errors in every algorithm and the exhausted key stays refused; under `volatile-ttl` and
+//! `allkeys-lru` the flood is admitted throughout and the exhausted key comes back with its
+//! whole limit. (The in-process [`MemoryStore`](crate::MemoryStore) chooses what to forget by
+//! what forgetting gives away; Redis cannot be told to.)
+//!
 //! # Deny cache
 //!
 //! Optionally ([`RedisStoreBuilder::deny_cache`]), a rejection is remembered locally: the same

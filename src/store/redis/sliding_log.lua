@@ -144,7 +144,11 @@ ALGORITHMS['sliding_log'] = function(key, limit, window, cost, horizon, sec, nse
         entries[n + 1] = int(now)
         entries[n + 2] = int(sum - s0)
       end
-      redis.call('DEL', key)
+      -- A new key has nothing to delete; deleting it anyway would be a first write that lets
+      -- the RPUSH past Redis's maxmemory check (see "Memory" in mod.rs).
+      if #head > 0 then
+        redis.call('DEL', key)
+      end
       redis.call('RPUSH', key, int(sec), '0')
       rpush_all(key, entries)
       b = sec
