@@ -60,6 +60,10 @@ pub(crate) fn check(data: &[u8]) {
             clock.advance(Duration::from_nanos(step));
         }
         now = clock_now(&clock);
+        // Within two periods of the end of the u64 time line (its last quarter: past 2440 in Unix
+        // nanoseconds) the algorithms' times saturate and they are not exact: not compared
+        // (see the regressions named `*-at-the-end-of-time`, which must still not panic).
+        let end_of_time = now.saturating_add(interval.saturating_mul(2)) > u64::MAX / 4 * 3;
         let cost = match input.u8() % 4 {
             0 => 0,
             1 => 1,
@@ -81,7 +85,7 @@ pub(crate) fn check(data: &[u8]) {
             store.len()
         );
         assert_eq!(decision.limit(), limit);
-        if backwards {
+        if backwards || end_of_time {
             // A clock that jumps back is tolerated: nothing to compare with but the bounds
             // of the decision itself.
             assert!(decision.remaining() <= limit);
