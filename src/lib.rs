@@ -39,6 +39,10 @@
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
 
+#[cfg(feature = "redis")]
+#[doc(hidden)]
+#[path = "fuzz.rs"]
+pub mod __fuzz;
 pub mod algorithm;
 pub mod answer;
 mod breaker;

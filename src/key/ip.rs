@@ -177,7 +177,8 @@ enum Source {
 
 impl Forwarded {
     /// Trusts proxies in the given networks (`10.0.0.0/8`, `2001:db8::/32`, or a single
-    /// address), reading `X-Forwarded-For`. With no network at all this is [`PeerIp`].
+    /// address; an IPv4-mapped network such as `::ffff:10.0.0.0/104` is the IPv4 network it
+    /// maps), reading `X-Forwarded-For`. With no network at all this is [`PeerIp`].
     pub fn trusting<I>(networks: I) -> Result<Self, InvalidNetwork>
     where
         I: IntoIterator,
@@ -703,16 +704,33 @@ impl std::str::FromStr for Network {
             Some((addr, bits)) => (addr, Some(bits)),
             None => (s.trim(), None),
         };
-        let addr = canonical(addr.parse::<IpAddr>().map_err(|_| invalid())?);
+        let addr = addr.parse::<IpAddr>().map_err(|_| invalid())?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let bits = match bits {
-            Some(b) => b
+            // Decimal digits only (`u8::from_str` would take `+8` too).
+            Some(b) if !b.is_empty() && b.bytes().all(|c| c.is_ascii_digit()) => b
                 .parse::<u8>()
                 .ok()
                 .filter(|&b| b <= max)
                 .ok_or_else(invalid)?,
+            Some(_) => return Err(invalid()),
             None => max,
         };
+        // Peers are compared as IPv4 when they are IPv4-mapped, so a mapped network is the
+        // IPv4 network it maps (`::ffff:10.0.0.0/104` is `10.0.0.0/8`); one wider than the
+        // mapped range `::ffff:0:0/96` is not a network of IPv4 addresses, and is refused
+        // rather than read as some IPv4 network.
+        if let IpAddr::V6(v6) = addr {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return match bits.checked_sub(96) {
+                    Some(bits) => Ok(Network {
+                        addr: IpAddr::V4(v4),
+                        bits,
+                    }),
+                    None => Err(invalid()),
+                };
+            }
+        }
         Ok(Network { addr, bits })
     }
 }
@@ -764,6 +782,14 @@ mod tests {
         assert!(all.contains("2001:db8::1".parse().unwrap()));
         let one: Network = "::ffff:192.0.2.1".parse().unwrap();
         assert_eq!(one, "192.0.2.1/32".parse().unwrap());
+        // A mapped network is the IPv4 network it maps (found by fuzzing: /104 was refused
+        // and /8 read as 10.0.0.0/8).
+        let mapped: Network = "::ffff:10.0.0.0/104".parse().unwrap();
+        assert_eq!(mapped, "10.0.0.0/8".parse().unwrap());
+        assert_eq!(
+            "::ffff:0:0/96".parse::<Network>().unwrap(),
+            "0.0.0.0/0".parse().unwrap()
+        );
         for bad in [
             "",
             "10.0.0.0/33",
@@ -771,6 +797,10 @@ mod tests {
             "fd00::/129",
             "x/1",
             "1.2.3.4/-1",
+            "10.0.0.0/+8",
+            "10.0.0.0/",
+            "::ffff:10.0.0.0/8",
+            "::ffff:10.0.0.0/95",
         ] {
             assert!(bad.parse::<Network>().is_err(), "{bad}");
         }

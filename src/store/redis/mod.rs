@@ -187,7 +187,7 @@
 //! marked [`Decision::without_backend`], so a breaker does not take them for a healthy Redis.
 
 mod deny;
-mod keys;
+pub(crate) mod keys;
 mod leased;
 
 pub use keys::KeySlots;
