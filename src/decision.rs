@@ -156,7 +156,7 @@ impl Decision {
     }
 
     /// Whether a failure policy admitted the request: the store could not decide.
-    pub(crate) const fn is_failure_policy(&self) -> bool {
+    pub const fn is_failure_policy(&self) -> bool {
         self.failure_policy
     }
 

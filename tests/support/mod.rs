@@ -158,6 +158,15 @@ impl RedisServer {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Sends `signal` (`STOP`, `CONT`...) to the server's process.
+    pub fn signal(&self, signal: &str) {
+        if let Some(c) = &self.child {
+            let _ = Command::new("kill")
+                .args([format!("-{signal}"), c.id().to_string()])
+                .status();
+        }
+    }
+
     /// Kills the server (SIGKILL) and waits for it to be gone.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
