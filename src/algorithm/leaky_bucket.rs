@@ -22,8 +22,11 @@ impl LeakyBucket {
         let capacity = limit.saturating_mul(interval);
         let now = now.max(self.last);
         let level = self.level.saturating_sub(now - self.last);
-        let level_after = level.saturating_add(cost.saturating_mul(interval));
-        if level_after <= capacity {
+        // In u128: with a capacity above half of u64, `level + cost` would saturate, and the
+        // retry computed from it would be too short (found by fuzzing).
+        let wanted = u128::from(level) + u128::from(cost) * u128::from(interval);
+        if wanted <= u128::from(capacity) {
+            let level_after = u64::try_from(wanted).unwrap_or(capacity);
             let remaining = (capacity - level_after) / interval;
             let decision = Decision::from_nanos(true, limit, remaining, level_after, 0);
             (
@@ -35,7 +38,7 @@ impl LeakyBucket {
             )
         } else {
             let remaining = capacity.saturating_sub(level) / interval;
-            let retry = level_after - capacity;
+            let retry = u64::try_from(wanted - u128::from(capacity)).unwrap_or(u64::MAX);
             let decision = Decision::from_nanos(false, limit, remaining, level, retry);
             (self, decision)
         }
