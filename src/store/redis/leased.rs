@@ -824,7 +824,10 @@ impl LeasedStore {
                     // Woken when the call is back (or the key is no longer tracked); a call
                     // that failed fails its waiters too. The wait and what follows it take
                     // one timeout in all.
-                    let deadline = tokio::time::Instant::now() + deadline;
+                    let now = tokio::time::Instant::now();
+                    let deadline = now
+                        .checked_add(deadline)
+                        .unwrap_or(now + Duration::from_secs(86_400 * 365));
                     let timeout = store.shared.redis.inner.timeout;
                     match tokio::time::timeout_at(deadline, done.changed()).await {
                         Err(_) => return Err(StoreError::Timeout(timeout)),
@@ -842,6 +845,10 @@ impl LeasedStore {
                         .iter()
                         .map(|(k, p, policy, cost)| Check::new(k, policy, *cost).placed_by(*p))
                         .collect();
+                    // No time left: no call (it would only outlive its caller's answer).
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(StoreError::Timeout(timeout));
+                    }
                     tokio::time::timeout_at(deadline, store.decide(&checks, false))
                         .await
                         .unwrap_or(Err(StoreError::Timeout(timeout)))

@@ -594,13 +594,7 @@ impl RedisStore {
                             let _ = worker.give_back(back).await;
                         }
                     });
-                    match tokio::time::timeout(inner.timeout, rx).await {
-                        Ok(Ok(r)) => r,
-                        Ok(Err(_)) => Err(StoreError::Backend(
-                            "the call's task ended without an answer".into(),
-                        )),
-                        Err(_) => Err(StoreError::Timeout(inner.timeout)),
-                    }
+                    answer_within(inner.timeout, rx).await
                 })
             }
         }
@@ -643,6 +637,26 @@ impl RedisStore {
             }
         }
         failed.map_or(Ok(()), Err)
+    }
+}
+
+/// The answer of a call that runs in a task of its own, if it comes within `timeout`. Past
+/// it, the channel is closed first: an answer sent in the same instant is taken rather than
+/// dropped unseen, and any later one fails to send, so the task knows nobody took it (and
+/// gives back what it consumed).
+async fn answer_within<T>(
+    timeout: Duration,
+    mut rx: tokio::sync::oneshot::Receiver<Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(timeout, &mut rx).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(StoreError::Backend(
+            "the call's task ended without an answer".into(),
+        )),
+        Err(_) => {
+            rx.close();
+            rx.try_recv().unwrap_or(Err(StoreError::Timeout(timeout)))
+        }
     }
 }
 
@@ -1064,13 +1078,7 @@ impl Inner {
             .await;
             let _ = tx.send(r);
         });
-        match tokio::time::timeout(self.timeout, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(StoreError::Backend(
-                "the call's task ended without an answer".into(),
-            )),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
-        }
+        answer_within(self.timeout, rx).await
     }
 
     /// The first three script arguments of a call made now.
