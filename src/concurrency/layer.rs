@@ -825,7 +825,7 @@ impl Shared {
                     .lookup
                     .resolve(raw.as_deref().unwrap_or(place.key.as_str()))
                     .await;
-                let tier = tiers.lookup.remember(place.key.as_str(), answer.as_deref());
+                let tier = tiers.lookup.settle(place.key.as_str(), &answer);
                 place.max = tiers.limit(tier);
             }
         }

@@ -11,7 +11,7 @@ use super::schema::*;
 use super::{ConfigErrors, Problems};
 use crate::answer::{HeaderProfile, ResetFormat, Responder};
 use crate::key::{Forwarded, Global, Header, Key, KeyExtractor, PeerIp};
-use crate::limiter::{MissingKey, Resolving, Rule, TierResolver, Tiers};
+use crate::limiter::{MissingKey, Resolving, Rule, TierResolver, Tiers, boxed};
 use crate::shed::{ByHeader, Criticality, Limit};
 use crate::{
     ConcurrencyLimitLayer, LoadShedLayer, Policy, Rate, RateLimitLayer, Store,
@@ -78,7 +78,7 @@ impl Bindings {
         let resolver = Arc::new(resolver);
         self.resolvers.insert(
             name.into(),
-            Arc::new(move |key: &str| -> Resolving { Box::pin(resolver.resolve(key)) }),
+            Arc::new(move |key: &str| -> Resolving { boxed(&*resolver, key) }),
         );
         self
     }
@@ -126,11 +126,11 @@ impl TierResolver for ListedThenResolved {
     fn resolve(&self, key: &str) -> Resolving {
         if let Some(tier) = self.listed.get(key) {
             let tier = tier.clone();
-            return Box::pin(async move { Some(tier) });
+            return Box::pin(async move { Ok(Some(tier)) });
         }
         match &self.resolver {
             Some(resolver) => resolver(key),
-            None => Box::pin(std::future::ready(None)),
+            None => Box::pin(std::future::ready(Ok(None))),
         }
     }
 }
@@ -687,6 +687,9 @@ impl<'a> Builder<'a> {
         }
         if let Some(ttl) = spec.cache_for {
             tiers = tiers.cache_for(ttl.get());
+        }
+        if let Some(timeout) = spec.timeout {
+            tiers = tiers.timeout(timeout.get());
         }
         if let Some(capacity) = spec.cache_capacity {
             if capacity == 0 {

@@ -86,6 +86,7 @@
 //! keys = { "k-internal" = "pro" }   # or listed here
 //! default = "free"
 //! cache_for = "5m"
+//! timeout = "1s"                    # a slower resolver: the default tier, this request only
 //! plans = [
 //!   { name = "free", policies = [{ algorithm = "gcra", rate = "60/minute", burst = 10 }] },
 //!   { name = "pro", policies = [{ algorithm = "gcra", rate = "600/minute", burst = 100 }] },

@@ -384,6 +384,11 @@ pub struct TiersConfig {
     /// How many keys' answers are remembered.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_capacity: Option<usize>,
+    /// The longest a request waits for the resolver (1 s unless set); past it, or when the
+    /// resolver fails or panics, the request is counted in the default tier and nothing is
+    /// remembered (see [`Tiers::timeout`](crate::limiter::Tiers::timeout)).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<HumanDuration>,
     /// The tiers and their policies.
     pub plans: Vec<PlanConfig>,
 }

@@ -5,7 +5,8 @@
 //! matches a request applies to it (per user, per tenant, global, per endpoint): the request
 //! is admitted only if every policy of every applicable rule admits it, and it consumes from
 //! none of them otherwise. Rules can take their policies from the key's tier ([`Tiers`],
-//! resolved asynchronously and cached), and a rule in shadow mode is decided and reported but
+//! resolved asynchronously and cached; a resolver that fails, panics or takes longer than
+//! [`Tiers::timeout`] counts the request in the default tier), and a rule in shadow mode is decided and reported but
 //! never refuses. The [`RateLimitLayer`](crate::RateLimitLayer) runs a limiter in front of an
 //! HTTP service.
 //!
@@ -66,5 +67,8 @@ pub(crate) use plan::{
 pub use plan::{Limiter, LimiterBuilder, LimiterError, ShadowRejection};
 pub(crate) use rule::Matcher;
 pub use rule::{MissingKey, Rule};
-pub use tier::{DEFAULT_TIER_CACHE_CAPACITY, DEFAULT_TIER_TTL, TierResolver, Tiers};
-pub(crate) use tier::{Resolving, TierLookup};
+pub use tier::{
+    DEFAULT_TIER_CACHE_CAPACITY, DEFAULT_TIER_TIMEOUT, DEFAULT_TIER_TTL, TierAnswer, TierResolver,
+    Tiers,
+};
+pub(crate) use tier::{Guarded, Resolving, TierLookup, boxed};

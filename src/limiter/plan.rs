@@ -586,7 +586,7 @@ pub(crate) enum Start<F> {
     Resolving {
         plan: Box<Plan>,
         at: (bool, usize),
-        answer: super::tier::Resolving,
+        answer: super::tier::Guarded,
     },
     /// A rule found no key and refuses the request.
     NoKey(NoKey),
@@ -844,7 +844,7 @@ impl<St: Store> Limiter<St> {
     }
 
     /// The first planned rule whose tier is not known yet, and the resolver's answer to come.
-    fn next_unresolved(&self, plan: &Plan) -> Option<(bool, usize, super::tier::Resolving)> {
+    fn next_unresolved(&self, plan: &Plan) -> Option<(bool, usize, super::tier::Guarded)> {
         let find = |list: &[Planned]| list.iter().position(|p| p.set.is_none());
         let (shadow, i) = match find(&plan.enforced) {
             Some(i) => (false, i),
@@ -860,8 +860,14 @@ impl<St: Store> Limiter<St> {
         Some((shadow, i, tiers.resolve(raw)))
     }
 
-    /// Records the resolver's answer for a planned rule.
-    pub(crate) fn resolved(&self, plan: &mut Plan, shadow: bool, i: usize, answer: Option<&str>) {
+    /// Records the resolver's answer (or its failure: the default tier) for a planned rule.
+    pub(crate) fn resolved(
+        &self,
+        plan: &mut Plan,
+        shadow: bool,
+        i: usize,
+        resolution: &super::tier::Resolution,
+    ) {
         let planned = if shadow {
             plan.shadow.get_mut(i)
         } else {
@@ -875,7 +881,7 @@ impl<St: Store> Limiter<St> {
             .get(usize::from(planned.rule))
             .and_then(|r| r.tiers.as_ref())
         {
-            Some(tiers) => tiers.remember(planned.key.as_str(), answer),
+            Some(tiers) => tiers.settle(planned.key.as_str(), resolution),
             None => 0,
         };
         planned.set = Some(tier);

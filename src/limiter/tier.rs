@@ -3,8 +3,10 @@
 use std::fmt;
 use std::future::Future;
 use std::hash::BuildHasher;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hashbrown::HashTable;
@@ -12,24 +14,35 @@ use parking_lot::Mutex;
 
 use crate::Policy;
 use crate::clock::{Clock, SystemClock};
+use crate::store::BoxError;
 use crate::telemetry::Counter;
 
 /// The default time a resolved tier is remembered.
 pub const DEFAULT_TIER_TTL: Duration = Duration::from_secs(60);
 /// The default number of keys whose tier is remembered.
 pub const DEFAULT_TIER_CACHE_CAPACITY: usize = 100_000;
+/// The default longest wait for a resolver's answer (see [`Tiers::timeout`]).
+pub const DEFAULT_TIER_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Finds the tier of a key (its plan: `"free"`, `"pro"`), typically by asking a database.
 ///
 /// The answer is remembered for the time the [`Tiers`] say, so the resolver is asked about a
 /// key at most once per that time (concurrent first requests of one key may each ask). `None`,
 /// or a name the `Tiers` do not know, means the default tier; that answer is remembered too.
-/// A resolver that fails should answer `None` (or the tier it wants to fall back to).
 ///
-/// Any `Fn(String) -> impl Future<Output = Option<String>>` is a resolver; it gets the key the
+/// A resolver that cannot answer is never waited on forever and never takes the request down
+/// with it: when it fails (its future's output is an `Err`), panics (in `resolve` or in its
+/// future), or has not answered within the [`Tiers::timeout`] (1 s by default), the request is
+/// counted in the default tier, and nothing is remembered, so the key's next request asks
+/// again. A panic is caught only where panics unwind (not under `panic = "abort"`).
+///
+/// Any `Fn(String) -> impl Future<Output = A>` is a resolver, where `A` is an
+/// `Option<String>` or a `Result<Option<String>, E>` (see [`TierAnswer`]); it gets the key the
 /// rule's extractor found, as its [`Key`](crate::key::Key) text reads: a `%` in it is `%25`,
 /// and with [`or`](crate::key::KeyExtractor::or) the fallback branch's keys start with `%|1|`
-/// (so an API key is never mistaken for the address a request without one is keyed by).
+/// (so an API key is never mistaken for the address a request without one is keyed by). The
+/// key is the extractor's whole key, however long: a resolver that looks keys up should bound
+/// what it accepts.
 ///
 /// ```
 /// use tollgate::limiter::TierResolver;
@@ -44,16 +57,16 @@ pub const DEFAULT_TIER_CACHE_CAPACITY: usize = 100_000;
 /// ```
 pub trait TierResolver: Send + Sync + 'static {
     /// The future of an answer.
-    type Future: Future<Output = Option<String>> + Send + 'static;
+    type Future: Future<Output: TierAnswer> + Send + 'static;
 
-    /// The tier of `key`, or `None` for the default tier.
+    /// The tier of `key`: `None` for the default tier, an error when the lookup failed.
     fn resolve(&self, key: &str) -> Self::Future;
 }
 
 impl<F, Fut> TierResolver for F
 where
     F: Fn(String) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Option<String>> + Send + 'static,
+    Fut: Future<Output: TierAnswer> + Send + 'static,
 {
     type Future = Fut;
 
@@ -62,8 +75,42 @@ where
     }
 }
 
-/// A boxed answer of a resolver (only on a cache miss).
-pub(crate) type Resolving = Pin<Box<dyn Future<Output = Option<String>> + Send>>;
+/// What a [`TierResolver`] answers: a tier's name, `None` for the default tier, or (for a
+/// `Result`) the error of a lookup that failed, which counts the request in the default tier
+/// without remembering anything.
+///
+/// ```
+/// use tollgate::limiter::TierAnswer;
+///
+/// assert_eq!(Some("pro".to_owned()).into_tier().unwrap().as_deref(), Some("pro"));
+/// let failed: Result<Option<String>, std::io::Error> = Err(std::io::ErrorKind::TimedOut.into());
+/// assert!(failed.into_tier().is_err());
+/// ```
+pub trait TierAnswer: Send + 'static {
+    /// The tier named (`None`: the default tier), or why there is no answer.
+    fn into_tier(self) -> Result<Option<String>, BoxError>;
+}
+
+impl TierAnswer for Option<String> {
+    fn into_tier(self) -> Result<Option<String>, BoxError> {
+        Ok(self)
+    }
+}
+
+impl<E: Into<BoxError> + Send + 'static> TierAnswer for Result<Option<String>, E> {
+    fn into_tier(self) -> Result<Option<String>, BoxError> {
+        self.map_err(Into::into)
+    }
+}
+
+/// A resolver's answer, boxed (only on a cache miss).
+pub(crate) type Resolving = Pin<Box<dyn Future<Output = Result<Option<String>, BoxError>> + Send>>;
+
+/// The boxed answer of any resolver.
+pub(crate) fn boxed<R: TierResolver + ?Sized>(resolver: &R, key: &str) -> Resolving {
+    let answer = resolver.resolve(key);
+    Box::pin(async move { answer.await.into_tier() })
+}
 
 trait ErasedResolver: Send + Sync {
     fn resolve(&self, key: &str) -> Resolving;
@@ -71,7 +118,52 @@ trait ErasedResolver: Send + Sync {
 
 impl<R: TierResolver> ErasedResolver for R {
     fn resolve(&self, key: &str) -> Resolving {
-        Box::pin(TierResolver::resolve(self, key))
+        boxed(self, key)
+    }
+}
+
+/// How a resolution ended.
+#[derive(Debug)]
+pub(crate) enum Resolution {
+    /// The resolver named a tier (or `None`, the default one).
+    Answered(Option<String>),
+    /// The resolver's answer was an error.
+    Failed(BoxError),
+    /// The resolver panicked.
+    Panicked,
+    /// No answer within the timeout.
+    TimedOut,
+}
+
+impl Resolution {
+    /// Why the request fell back to the default tier (for telemetry), if it did.
+    pub(crate) fn fallback(&self) -> Option<&'static str> {
+        match self {
+            Resolution::Answered(_) => None,
+            Resolution::Failed(_) => Some("error"),
+            Resolution::Panicked => Some("panic"),
+            Resolution::TimedOut => Some("timeout"),
+        }
+    }
+}
+
+/// A resolution in progress: the resolver's answer, bounded by a timeout, panics caught.
+pub(crate) type Guarded = Pin<Box<dyn Future<Output = Resolution> + Send>>;
+
+/// Polls a resolver's answer with its panics caught.
+struct CatchPanic(Resolving);
+
+impl Future for CatchPanic {
+    type Output = Resolution;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Resolution> {
+        let answer = &mut self.0;
+        match catch_unwind(AssertUnwindSafe(|| answer.as_mut().poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(Ok(tier))) => Poll::Ready(Resolution::Answered(tier)),
+            Ok(Poll::Ready(Err(e))) => Poll::Ready(Resolution::Failed(e)),
+            Err(_) => Poll::Ready(Resolution::Panicked),
+        }
     }
 }
 
@@ -104,6 +196,7 @@ pub struct Tiers {
     pub(crate) default: Option<String>,
     ttl: Duration,
     capacity: usize,
+    timeout: Duration,
     clock: Arc<dyn Clock>,
 }
 
@@ -116,6 +209,7 @@ impl Tiers {
             default: None,
             ttl: DEFAULT_TIER_TTL,
             capacity: DEFAULT_TIER_CACHE_CAPACITY,
+            timeout: DEFAULT_TIER_TIMEOUT,
             clock: Arc::new(SystemClock::new()),
         }
     }
@@ -153,6 +247,16 @@ impl Tiers {
         self
     }
 
+    /// The longest a request waits for the resolver (1 s by default): past it, the request is
+    /// counted in the default tier and the key's next request asks again, as when the resolver
+    /// fails. The wait runs on tokio's timer (tokio's paused time in tests), so a resolution
+    /// must be polled inside a tokio runtime with its timer enabled; outside any tokio runtime
+    /// there is no timeout. `Duration::MAX` waits as long as the resolver takes.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// The clock that times the cache (the system's monotonic clock by default; a
     /// [`ManualClock`](crate::clock::ManualClock) in tests).
     pub fn clock(mut self, clock: impl Clock) -> Self {
@@ -175,6 +279,7 @@ impl Tiers {
             resolver: self.resolver,
             names,
             default,
+            timeout: self.timeout,
             ttl: u64::try_from(self.ttl.as_nanos()).unwrap_or(u64::MAX),
             cache: Arc::new(TierCache {
                 table: Mutex::new(HashTable::new()),
@@ -195,6 +300,7 @@ impl fmt::Debug for Tiers {
             .field("default", &self.default)
             .field("ttl", &self.ttl)
             .field("capacity", &self.capacity)
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }
@@ -204,6 +310,8 @@ pub(crate) struct TierLookup {
     resolver: Arc<dyn ErasedResolver>,
     names: Box<[Box<str>]>,
     default: u16,
+    /// The longest wait for the resolver.
+    timeout: Duration,
     ttl: u64,
     /// Shared with the lookup of the same rule after a reload that left the rule as it was.
     cache: Arc<TierCache>,
@@ -234,9 +342,46 @@ impl TierLookup {
         tier
     }
 
-    /// Asks the resolver.
-    pub(crate) fn resolve(&self, key: &str) -> Resolving {
-        self.resolver.resolve(key)
+    /// Asks the resolver: its answer, or how it failed to give one within the timeout.
+    pub(crate) fn resolve(&self, key: &str) -> Guarded {
+        let timeout = self.timeout;
+        let answer = match catch_unwind(AssertUnwindSafe(|| self.resolver.resolve(key))) {
+            Ok(answer) => CatchPanic(answer),
+            Err(_) => return Box::pin(std::future::ready(Resolution::Panicked)),
+        };
+        // Outside a tokio runtime, tokio's timer would panic: no timeout there.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Box::pin(answer);
+        }
+        Box::pin(async move {
+            tokio::time::timeout(timeout, answer)
+                .await
+                .unwrap_or(Resolution::TimedOut)
+        })
+    }
+
+    /// The tier of a finished resolution: an answer is remembered for `key`; a resolver that
+    /// failed, panicked or timed out gives the default tier, remembered for nobody.
+    pub(crate) fn settle(&self, key: &str, resolution: &Resolution) -> u16 {
+        if let Some(reason) = resolution.fallback() {
+            let error = match resolution {
+                Resolution::Failed(e) => Some(e.to_string()),
+                _ => None,
+            };
+            crate::telemetry::event!(
+                warn,
+                name: "tollgate.tier_fallback",
+                reason,
+                error = error.as_deref(),
+                "the tier resolver gave no answer: the request counts in the default tier"
+            );
+            let _ = error;
+            return self.default;
+        }
+        match resolution {
+            Resolution::Answered(answer) => self.remember(key, answer.as_deref()),
+            _ => self.default,
+        }
     }
 
     /// Turns an answer into a tier and remembers it for `key`.
