@@ -140,7 +140,13 @@ async fn a_server_under_load_survives_redis_killed_frozen_and_slowed() {
                 let end = end.duration_since(UNIX_EPOCH).unwrap_or_default();
                 let window = (end.as_millis() as u64 + 500) / 1000;
                 let by_policy = if d.is_failure_policy() { "1" } else { "0" };
-                ([("x-window", window.to_string()), ("x-by-policy", by_policy.into())], "ok")
+                (
+                    [
+                        ("x-window", window.to_string()),
+                        ("x-by-policy", by_policy.into()),
+                    ],
+                    "ok",
+                )
             }),
         )
         .layer(layer);
@@ -242,13 +248,18 @@ async fn a_server_under_load_survives_redis_killed_frozen_and_slowed() {
     let by_policy = seen.iter().filter(|s| s.by_policy).count();
     eprintln!(
         "soak {seconds} s: {total} requests, {ok} admitted ({by_policy} by the failure policy), {} limited, {fivexx} 5xx, {other} other",
-        seen.iter().filter(|s| s.status == StatusCode::TOO_MANY_REQUESTS).count()
+        seen.iter()
+            .filter(|s| s.status == StatusCode::TOO_MANY_REQUESTS)
+            .count()
     );
     assert_eq!(fivexx, 0, "no 5xx: the failure policy is fail open");
     assert_eq!(other, 0);
     // No key above its limit in a window Redis decided.
     let mut counts = std::collections::HashMap::new();
-    for s in seen.iter().filter(|s| s.status == StatusCode::OK && !s.by_policy) {
+    for s in seen
+        .iter()
+        .filter(|s| s.status == StatusCode::OK && !s.by_policy)
+    {
         *counts.entry((s.key, s.window)).or_insert(0u64) += 1;
     }
     let worst = counts.values().copied().max().unwrap_or(0);
@@ -292,7 +303,11 @@ async fn a_server_under_load_survives_redis_killed_frozen_and_slowed() {
     // A request sent just as the breaker's open time ends can be its probe, and wait; every
     // other request sent while it is open is answered at once.
     let waited = open.iter().filter(|l| **l >= TIMEOUT * 9 / 10).count() as u64;
-    let fast = open.iter().filter(|l| **l < TIMEOUT * 9 / 10).max().copied();
+    let fast = open
+        .iter()
+        .filter(|l| **l < TIMEOUT * 9 / 10)
+        .max()
+        .copied();
     let stats = store.stats();
     eprintln!(
         "breaker open: {} requests, {waited} waited for a timeout (probes: the breaker opened {} times), the others at most {fast:?}; {stats:?}",
