@@ -99,30 +99,26 @@ struct Seen {
     breaker_open: bool,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_under_load_survives_redis_killed_frozen_and_slowed() {
-    let Some(mut server) = support::RedisServer::start() else {
-        return;
-    };
-    let seconds: u64 = std::env::var("SOAK_SECONDS")
+fn soak_seconds(default: u64) -> u64 {
+    std::env::var("SOAK_SECONDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(12)
-        .max(5);
-    let phase_len = Duration::from_secs(seconds) / 5;
-    let delay_ms = Arc::new(AtomicU64::new(0));
-    let port = proxy(server.port, delay_ms.clone()).await;
-    let redis = RedisStore::builder()
-        .url(format!("redis://127.0.0.1:{port}"))
-        .timeout(TIMEOUT)
-        .connect()
-        .await
-        .unwrap();
-    let store = ResilientStore::builder(redis)
+        .unwrap_or(default)
+        .max(5)
+}
+
+/// The store every soak uses: `redis` behind `ResilientStore`, fail open.
+fn resilient(redis: RedisStore) -> ResilientStore<RedisStore> {
+    ResilientStore::builder(redis)
         .timeout(TIMEOUT)
         .failure_policy(FailurePolicy::Open)
         .breaker(3, Duration::from_millis(500))
-        .build();
+        .build()
+}
+
+/// A server with the layer on `store` (per-user, `LIMIT` a second) whose handler reports
+/// the Redis window each admission was counted in and whether the failure policy admitted it.
+async fn server_with(store: &ResilientStore<RedisStore>) -> support::Client {
     let layer = RateLimitLayer::builder(store.clone())
         .rule(
             Rule::new("per-user")
@@ -150,173 +146,256 @@ async fn a_server_under_load_survives_redis_killed_frozen_and_slowed() {
             }),
         )
         .layer(layer);
-    let client = support::Client::new(support::serve(app).await);
+    support::Client::new(support::serve(app).await)
+}
 
-    let started = Instant::now();
-    let phase = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let seen = Arc::new(Mutex::new(Vec::<Seen>::new()));
-    let users = 8;
-    let clients: Vec<_> = (0..16)
-        .map(|c| {
-            let (client, phase, stop, seen, store) = (
-                client.clone(),
-                phase.clone(),
-                stop.clone(),
-                seen.clone(),
-                store.clone(),
-            );
-            tokio::spawn(async move {
-                let mut i = c;
-                while !stop.load(Ordering::Relaxed) {
-                    let key = i % users;
-                    i += 7;
-                    let open_before = store.breaker_state() == BreakerStatus::Open;
-                    let start = Instant::now();
-                    let sent = start.duration_since(started);
-                    let user = key.to_string();
-                    let answer = client.get_with("/", &[("x-user", &user)]).await;
-                    let latency = start.elapsed();
-                    let open_after = store.breaker_state() == BreakerStatus::Open;
-                    let header = |name: &str| {
-                        answer
-                            .headers
-                            .get(name)
-                            .and_then(|v| v.to_str().ok())
-                            .map(str::to_owned)
-                    };
-                    seen.lock().push(Seen {
-                        phase: phase.load(Ordering::Relaxed) as usize,
-                        key,
-                        status: answer.status,
-                        by_policy: header("x-by-policy").as_deref() == Some("1"),
-                        window: header("x-window").and_then(|w| w.parse().ok()).unwrap_or(0),
-                        sent,
-                        latency,
-                        breaker_open: open_before && open_after,
-                    });
-                    // About 400 requests a second in all: far above the limits.
-                    tokio::time::sleep(Duration::from_millis(40)).await;
-                }
+/// Steady load: 16 clients, 8 users, about 400 requests a second in all (far above the
+/// limits), each request recorded with the phase it was sent in.
+struct Load {
+    started: Instant,
+    phase: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    clients: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(client: &support::Client, store: &ResilientStore<RedisStore>) -> Self {
+        let started = Instant::now();
+        let phase = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(Mutex::new(Vec::<Seen>::new()));
+        let users = 8;
+        let clients = (0..16)
+            .map(|c| {
+                let (client, phase, stop, seen, store) = (
+                    client.clone(),
+                    phase.clone(),
+                    stop.clone(),
+                    seen.clone(),
+                    store.clone(),
+                );
+                tokio::spawn(async move {
+                    let mut i = c;
+                    while !stop.load(Ordering::Relaxed) {
+                        let key = i % users;
+                        i += 7;
+                        let open_before = store.breaker_state() == BreakerStatus::Open;
+                        let start = Instant::now();
+                        let sent = start.duration_since(started);
+                        let user = key.to_string();
+                        let answer = client.get_with("/", &[("x-user", &user)]).await;
+                        let latency = start.elapsed();
+                        let open_after = store.breaker_state() == BreakerStatus::Open;
+                        let header = |name: &str| {
+                            answer
+                                .headers
+                                .get(name)
+                                .and_then(|v| v.to_str().ok())
+                                .map(str::to_owned)
+                        };
+                        seen.lock().push(Seen {
+                            phase: phase.load(Ordering::Relaxed) as usize,
+                            key,
+                            status: answer.status,
+                            by_policy: header("x-by-policy").as_deref() == Some("1"),
+                            window: header("x-window").and_then(|w| w.parse().ok()).unwrap_or(0),
+                            sent,
+                            latency,
+                            breaker_open: open_before && open_after,
+                        });
+                        tokio::time::sleep(Duration::from_millis(40)).await;
+                    }
+                })
             })
-        })
-        .collect();
+            .collect();
+        Self {
+            started,
+            phase,
+            stop,
+            seen,
+            clients,
+        }
+    }
 
-    let mut recovered_after = Vec::new();
+    fn phase(&self, p: u64) {
+        self.phase.store(p, Ordering::Relaxed);
+    }
+
+    /// Stops the clients, checks what every soak must hold and prints the figures.
+    async fn finish(
+        self,
+        name: &str,
+        client: &support::Client,
+        store: &ResilientStore<RedisStore>,
+        faults_ended: &[(&str, Instant)],
+        phases: usize,
+    ) {
+        self.stop.store(true, Ordering::Relaxed);
+        for c in self.clients {
+            c.await.expect("a client task panicked");
+        }
+        // The server still answers.
+        let last = client.get_with("/", &[("x-user", "last")]).await;
+        assert_eq!(last.status, StatusCode::OK);
+        let seen = self.seen.lock();
+        let total = seen.len();
+        let fivexx = seen.iter().filter(|s| s.status.is_server_error()).count();
+        let other = seen
+            .iter()
+            .filter(|s| s.status != StatusCode::OK && s.status != StatusCode::TOO_MANY_REQUESTS)
+            .count();
+        let ok = seen.iter().filter(|s| s.status == StatusCode::OK).count();
+        let by_policy = seen.iter().filter(|s| s.by_policy).count();
+        let limited = seen
+            .iter()
+            .filter(|s| s.status == StatusCode::TOO_MANY_REQUESTS)
+            .count();
+        eprintln!(
+            "{name}: {total} requests, {ok} admitted ({by_policy} by the failure policy), {limited} limited, {fivexx} 5xx, {other} other"
+        );
+        assert_eq!(fivexx, 0, "no 5xx: the failure policy is fail open");
+        assert_eq!(other, 0);
+        // No key above its limit in a window Redis decided.
+        let mut counts = std::collections::HashMap::new();
+        for s in seen
+            .iter()
+            .filter(|s| s.status == StatusCode::OK && !s.by_policy)
+        {
+            *counts.entry((s.key, s.window)).or_insert(0u64) += 1;
+        }
+        let worst = counts.values().copied().max().unwrap_or(0);
+        eprintln!("most admitted by Redis in one key's window: {worst} (limit {LIMIT})");
+        assert!(worst <= LIMIT, "{worst} admitted in one window");
+        // Recovery: from the end of each fault to the first answer Redis decided again.
+        for (fault, at) in faults_ended {
+            let ended = at.duration_since(self.started);
+            let back = seen
+                .iter()
+                .filter(|s| s.sent >= ended && !s.by_policy)
+                .map(|s| s.sent + s.latency)
+                .min()
+                .map(|b| b.saturating_sub(ended));
+            eprintln!("{fault}: Redis decided again {back:?} after the fault ended");
+            assert!(back.is_some(), "{fault}: Redis never decided again");
+        }
+        for p in 0..phases {
+            let mut l: Vec<Duration> = seen
+                .iter()
+                .filter(|s| s.phase == p)
+                .map(|s| s.latency)
+                .collect();
+            l.sort();
+            if let Some(max) = l.last() {
+                eprintln!(
+                    "phase {p}: {} requests, p50 {:?}, p99 {:?}, max {max:?}",
+                    l.len(),
+                    l[l.len() / 2],
+                    l[l.len() * 99 / 100]
+                );
+            }
+        }
+        let open: Vec<Duration> = seen
+            .iter()
+            .filter(|s| s.breaker_open)
+            .map(|s| s.latency)
+            .collect();
+        // A request sent just as the breaker's open time ends can be its probe, and wait;
+        // every other request sent while it is open is answered at once.
+        let waited = open.iter().filter(|l| **l >= TIMEOUT * 9 / 10).count() as u64;
+        let fast = open
+            .iter()
+            .filter(|l| **l < TIMEOUT * 9 / 10)
+            .max()
+            .copied();
+        let stats = store.stats();
+        eprintln!(
+            "breaker open: {} requests, {waited} waited for a timeout (probes: the breaker opened {} times), the others at most {fast:?}; {stats:?}",
+            open.len(),
+            stats.breaker_opened
+        );
+        assert!(!open.is_empty(), "the breaker opened");
+        assert!(
+            waited <= stats.breaker_opened,
+            "no request but the probes waits for a timeout while the breaker is open"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_under_load_survives_redis_killed_frozen_and_slowed() {
+    let Some(mut server) = support::RedisServer::start() else {
+        return;
+    };
+    let phase_len = Duration::from_secs(soak_seconds(12)) / 5;
+    let delay_ms = Arc::new(AtomicU64::new(0));
+    let port = proxy(server.port, delay_ms.clone()).await;
+    let redis = RedisStore::builder()
+        .url(format!("redis://127.0.0.1:{port}"))
+        .timeout(TIMEOUT)
+        .connect()
+        .await
+        .unwrap();
+    let store = resilient(redis);
+    let client = server_with(&store).await;
+    let load = Load::start(&client, &store);
+    let mut ended = Vec::new();
     // 0: calm.
     tokio::time::sleep(phase_len).await;
     // 1: killed for half the phase, then restarted (empty: nothing saved).
-    phase.store(1, Ordering::Relaxed);
+    load.phase(1);
     server.kill();
     tokio::time::sleep(phase_len / 2).await;
     server.restart();
-    recovered_after.push(("killed", Instant::now()));
+    ended.push(("killed", Instant::now()));
     tokio::time::sleep(phase_len / 2).await;
     // 2: frozen (SIGSTOP) for half the phase: connections stay open and answer nothing.
-    phase.store(2, Ordering::Relaxed);
+    load.phase(2);
     server.signal("STOP");
     tokio::time::sleep(phase_len / 2).await;
     server.signal("CONT");
-    recovered_after.push(("frozen", Instant::now()));
+    ended.push(("frozen", Instant::now()));
     tokio::time::sleep(phase_len / 2).await;
     // 3: slowed: every chunk held 150 ms (above the timeout) for half the phase.
-    phase.store(3, Ordering::Relaxed);
+    load.phase(3);
     delay_ms.store(150, Ordering::Relaxed);
     tokio::time::sleep(phase_len / 2).await;
     delay_ms.store(0, Ordering::Relaxed);
-    recovered_after.push(("slowed", Instant::now()));
+    ended.push(("slowed", Instant::now()));
     tokio::time::sleep(phase_len / 2).await;
     // 4: calm.
-    phase.store(4, Ordering::Relaxed);
+    load.phase(4);
     tokio::time::sleep(phase_len).await;
-    stop.store(true, Ordering::Relaxed);
-    for c in clients {
-        c.await.expect("a client task panicked");
-    }
-    // The server still answers.
-    let last = client.get_with("/", &[("x-user", "last")]).await;
-    assert_eq!(last.status, StatusCode::OK);
+    load.finish("single node", &client, &store, &ended, 5).await;
+}
 
-    let seen = seen.lock();
-    let total = seen.len();
-    let fivexx = seen.iter().filter(|s| s.status.is_server_error()).count();
-    let other = seen
-        .iter()
-        .filter(|s| s.status != StatusCode::OK && s.status != StatusCode::TOO_MANY_REQUESTS)
-        .count();
-    let ok = seen.iter().filter(|s| s.status == StatusCode::OK).count();
-    let by_policy = seen.iter().filter(|s| s.by_policy).count();
-    eprintln!(
-        "soak {seconds} s: {total} requests, {ok} admitted ({by_policy} by the failure policy), {} limited, {fivexx} 5xx, {other} other",
-        seen.iter()
-            .filter(|s| s.status == StatusCode::TOO_MANY_REQUESTS)
-            .count()
-    );
-    assert_eq!(fivexx, 0, "no 5xx: the failure policy is fail open");
-    assert_eq!(other, 0);
-    // No key above its limit in a window Redis decided.
-    let mut counts = std::collections::HashMap::new();
-    for s in seen
-        .iter()
-        .filter(|s| s.status == StatusCode::OK && !s.by_policy)
-    {
-        *counts.entry((s.key, s.window)).or_insert(0u64) += 1;
-    }
-    let worst = counts.values().copied().max().unwrap_or(0);
-    eprintln!("most admitted by Redis in one key's window: {worst} (limit {LIMIT})");
-    assert!(worst <= LIMIT, "{worst} admitted in one window");
-    // Recovery: from the end of each fault to the first admission Redis decided again. The
-    // restarted server is empty, and Redis decides again once the breaker lets a probe through.
-    for (fault, at) in &recovered_after {
-        let ended = at.duration_since(started);
-        let back = seen
-            .iter()
-            .filter(|s| s.sent >= ended && !s.by_policy)
-            .map(|s| s.sent + s.latency)
-            .min();
-        let back = back.map(|b| b.saturating_sub(ended));
-        eprintln!("{fault}: Redis decided again {back:?} after the fault ended");
-        assert!(back.is_some(), "{fault}: Redis never decided again");
-    }
-    // Latencies by phase, and while the breaker was open.
-    for p in 0..5 {
-        let mut l: Vec<Duration> = seen
-            .iter()
-            .filter(|s| s.phase == p)
-            .map(|s| s.latency)
-            .collect();
-        l.sort();
-        if let (Some(max), false) = (l.last(), l.is_empty()) {
-            eprintln!(
-                "phase {p}: {} requests, p50 {:?}, p99 {:?}, max {max:?}",
-                l.len(),
-                l[l.len() / 2],
-                l[l.len() * 99 / 100]
-            );
-        }
-    }
-    let open: Vec<Duration> = seen
-        .iter()
-        .filter(|s| s.breaker_open)
-        .map(|s| s.latency)
-        .collect();
-    // A request sent just as the breaker's open time ends can be its probe, and wait; every
-    // other request sent while it is open is answered at once.
-    let waited = open.iter().filter(|l| **l >= TIMEOUT * 9 / 10).count() as u64;
-    let fast = open
-        .iter()
-        .filter(|l| **l < TIMEOUT * 9 / 10)
-        .max()
-        .copied();
-    let stats = store.stats();
-    eprintln!(
-        "breaker open: {} requests, {waited} waited for a timeout (probes: the breaker opened {} times), the others at most {fast:?}; {stats:?}",
-        open.len(),
-        stats.breaker_opened
-    );
-    assert!(!open.is_empty(), "the breaker opened");
-    assert!(
-        waited <= stats.breaker_opened,
-        "no request but the probes waits for a timeout while the breaker is open"
-    );
+/// The same load on a three-master Cluster while one master is killed and restarted (empty;
+/// it rejoins with its slots from its nodes.conf): the keys on the other masters are decided
+/// as before, those of its slots by the failure policy until it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_under_load_survives_a_cluster_master_killed() {
+    let Some(mut cluster) = support::RedisCluster::start() else {
+        return;
+    };
+    let phase_len = Duration::from_secs(soak_seconds(9)) / 3;
+    let redis = RedisStore::builder()
+        .cluster(cluster.nodes())
+        .timeout(TIMEOUT)
+        .connect()
+        .await
+        .unwrap();
+    let store = resilient(redis);
+    let client = server_with(&store).await;
+    let load = Load::start(&client, &store);
+    let mut ended = Vec::new();
+    tokio::time::sleep(phase_len).await;
+    load.phase(1);
+    cluster.nodes[0].kill();
+    tokio::time::sleep(phase_len / 2).await;
+    cluster.nodes[0].restart();
+    ended.push(("master killed", Instant::now()));
+    tokio::time::sleep(phase_len / 2).await;
+    load.phase(2);
+    tokio::time::sleep(phase_len).await;
+    load.finish("cluster", &client, &store, &ended, 3).await;
 }
