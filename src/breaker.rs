@@ -47,7 +47,7 @@ pub(crate) enum BreakerState {
     },
 }
 
-#[derive(Debug)]
+#[derive(Clone, Copy, Debug)]
 struct Machine {
     state: BreakerState,
     /// Probes started so far: numbers each half-open state, so that a probe that ends without
@@ -605,5 +605,223 @@ mod tests {
         assert_eq!(b.status(), BreakerStatus::HalfOpen);
         b.success(next);
         assert_eq!(b.state(), BreakerState::Closed { failures: 0 });
+    }
+
+    /// Every interleaving of a few callers' steps, each step one critical section of the
+    /// breaker (so every concurrent run is one of these orders), with every answer a call can
+    /// get (success, failure, a probe released without the backend, a probe dropped), the
+    /// clock moving past `open_for` at any point, with and without a probe timeout: a model
+    /// check, exhaustive over small runs (725,760 of them). After every step the breaker agrees
+    /// with a model written from its documentation: a call's answer counts only while no
+    /// change of status happened since it was sent, a probe's only while it is the current
+    /// probe; two current failures open it, a current failed or dropped probe reopens it, a
+    /// current success closes it; an open breaker refuses until its time, then lets exactly
+    /// one probe go (another only after a release or the probe timeout).
+    #[test]
+    fn every_interleaving_of_callers_keeps_the_breaker_consistent() {
+        #[derive(Clone, Copy, Debug)]
+        enum Answer {
+            Success,
+            Failure,
+            /// A probe answered without the backend (the next call probes).
+            Release,
+            /// A probe dropped before its answer (open again for `open_for`).
+            Drop,
+        }
+        #[derive(Clone, Copy, Debug)]
+        enum Step {
+            Permit(usize),
+            Answer(usize, Answer),
+            Tick,
+        }
+        const OPEN_FOR: Duration = Duration::from_secs(3);
+
+        /// The breaker as its documentation describes it, written again: what each step must do.
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        enum Model {
+            Closed(u32),
+            Open(u64),
+            /// The probe in flight, and when another may go (a probe answered without the
+            /// backend: at once).
+            Half(u64, Option<u64>),
+        }
+
+        /// Moves the model to `to`, counting a change of status.
+        fn moved(model: &mut Model, to: Model, changes: &mut u64) {
+            if std::mem::discriminant(model) != std::mem::discriminant(&to) {
+                *changes += 1;
+            }
+            *model = to;
+        }
+
+        /// `steps` on a breaker of threshold 2, with a probe timeout of `open_for` or none.
+        fn run(steps: &[Step], probe_timeout: bool) {
+            let clock = ManualClock::new();
+            let mut b = Breaker::new(clock.clone(), 2, OPEN_FOR);
+            if probe_timeout {
+                b = b.probe_timeout(OPEN_FOR);
+            }
+            let open_for = u64::try_from(OPEN_FOR.as_nanos()).unwrap();
+            // When a probe's half-open state lets another probe go.
+            let due = |now: u64| probe_timeout.then_some(now + open_for);
+            let mut model = Model::Closed(0);
+            // Changes of status so far, and probes started: what makes an answer stale.
+            let (mut changes, mut probes) = (0u64, 0u64);
+            let mut permits: Vec<Option<(Permit, u64)>> = vec![None; 4];
+            for (n, step) in steps.iter().enumerate() {
+                let now = clock.now();
+                let context = || format!("step {n} of {steps:?}");
+                match *step {
+                    Step::Tick => clock.advance(OPEN_FOR),
+                    Step::Permit(c) => {
+                        let expected = match model {
+                            Model::Closed(_) => Permit::Call(0),
+                            Model::Open(until) if now >= until => {
+                                probes += 1;
+                                moved(&mut model, Model::Half(probes, due(now)), &mut changes);
+                                Permit::Probe(probes)
+                            }
+                            Model::Half(_, Some(at)) if now >= at => {
+                                probes += 1;
+                                model = Model::Half(probes, due(now));
+                                Permit::Probe(probes)
+                            }
+                            _ => Permit::Refuse,
+                        };
+                        let p = b.permit();
+                        match (p, expected) {
+                            (Permit::Call(_), Permit::Call(_)) => {}
+                            _ => assert_eq!(p, expected, "{}", context()),
+                        }
+                        permits[c] = Some((p, changes));
+                    }
+                    Step::Answer(c, answer) => {
+                        let Some((p, changes_then)) = permits[c].take() else {
+                            continue;
+                        };
+                        let current = match p {
+                            Permit::Call(_) => changes == changes_then,
+                            Permit::Probe(probe) => {
+                                matches!(model, Model::Half(q, _) if q == probe)
+                            }
+                            Permit::Refuse => false,
+                        };
+                        match (answer, p) {
+                            (Answer::Success, _) => {
+                                b.success(p);
+                                if current {
+                                    moved(&mut model, Model::Closed(0), &mut changes);
+                                }
+                            }
+                            (Answer::Failure, _) => {
+                                b.failure(p);
+                                if current {
+                                    let to = match model {
+                                        Model::Closed(f) if f + 1 < 2 => Model::Closed(f + 1),
+                                        _ => Model::Open(now + open_for),
+                                    };
+                                    moved(&mut model, to, &mut changes);
+                                }
+                            }
+                            (Answer::Release, Permit::Probe(probe)) => {
+                                b.release(probe, Duration::ZERO);
+                                if current {
+                                    model = Model::Half(probe, Some(now));
+                                }
+                            }
+                            (Answer::Drop, Permit::Probe(probe)) => {
+                                b.release(probe, OPEN_FOR);
+                                if current {
+                                    moved(&mut model, Model::Open(now + open_for), &mut changes);
+                                }
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                let state = b.state();
+                let agrees = match (model, state) {
+                    (Model::Closed(f), BreakerState::Closed { failures }) => f == failures,
+                    (Model::Open(u), BreakerState::Open { until }) => until == Some(u),
+                    (Model::Half(p, _), BreakerState::HalfOpen { probe }) => p == probe,
+                    _ => false,
+                };
+                assert!(agrees, "{model:?} but {state:?}: {}", context());
+            }
+        }
+
+        /// Every interleaving of `programs` (each run in order) and `ticks` clock moves.
+        fn interleave(
+            programs: &mut Vec<Vec<Step>>,
+            ticks: usize,
+            done: &mut Vec<Step>,
+            runs: &mut u64,
+        ) {
+            if programs.iter().all(Vec::is_empty) && ticks == 0 {
+                run(done, false);
+                run(done, true);
+                *runs += 2;
+                return;
+            }
+            for i in 0..programs.len() {
+                if programs[i].is_empty() {
+                    continue;
+                }
+                let step = programs[i].remove(0);
+                done.push(step);
+                interleave(programs, ticks, done, runs);
+                done.pop();
+                programs[i].insert(0, step);
+            }
+            if ticks > 0 {
+                done.push(Step::Tick);
+                interleave(programs, ticks - 1, done, runs);
+                done.pop();
+            }
+        }
+
+        let answers = [
+            Answer::Success,
+            Answer::Failure,
+            Answer::Release,
+            Answer::Drop,
+        ];
+        let mut runs = 0;
+        // Three callers, one call each, two clock moves.
+        for a in answers {
+            for b in answers {
+                for c in answers {
+                    let mut programs = vec![
+                        vec![Step::Permit(0), Step::Answer(0, a)],
+                        vec![Step::Permit(1), Step::Answer(1, b)],
+                        vec![Step::Permit(2), Step::Answer(2, c)],
+                    ];
+                    interleave(&mut programs, 2, &mut Vec::new(), &mut runs);
+                }
+            }
+        }
+        // Two callers, two calls each, two clock moves.
+        for a in answers {
+            for b in answers {
+                for c in answers {
+                    let mut programs = vec![
+                        vec![
+                            Step::Permit(0),
+                            Step::Answer(0, a),
+                            Step::Permit(0),
+                            Step::Answer(0, c),
+                        ],
+                        vec![
+                            Step::Permit(1),
+                            Step::Answer(1, b),
+                            Step::Permit(1),
+                            Step::Answer(1, Answer::Failure),
+                        ],
+                    ];
+                    interleave(&mut programs, 2, &mut Vec::new(), &mut runs);
+                }
+            }
+        }
+        assert_eq!(runs, 725_760);
     }
 }
