@@ -55,7 +55,9 @@ fn layer() -> RateLimitLayer<MemoryStore<ManualClock>> {
 /// The allocations of `n` requests through `layer`, after ten that fill its caches (and
 /// register every callsite and thread-local they touch).
 fn allocations(layer: RateLimitLayer<MemoryStore<ManualClock>>, n: usize) -> usize {
+    // Timers on: a tier resolution waits at most its timeout, on tokio's timer.
     let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
         .build()
         .unwrap();
     let service = ServiceBuilder::new()

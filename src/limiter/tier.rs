@@ -250,8 +250,10 @@ impl Tiers {
     /// The longest a request waits for the resolver (1 s by default): past it, the request is
     /// counted in the default tier and the key's next request asks again, as when the resolver
     /// fails. The wait runs on tokio's timer (tokio's paused time in tests), so a resolution
-    /// must be polled inside a tokio runtime with its timer enabled; outside any tokio runtime
-    /// there is no timeout. `Duration::MAX` waits as long as the resolver takes.
+    /// must be polled inside a tokio runtime with its timer enabled (`#[tokio::main]` enables
+    /// it; in a runtime built without `enable_time`, tokio panics at the first resolution);
+    /// outside any tokio runtime there is no timeout. `Duration::MAX` waits as long as the
+    /// resolver takes, with no timer at all.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -349,8 +351,9 @@ impl TierLookup {
             Ok(answer) => CatchPanic(answer),
             Err(_) => return Box::pin(std::future::ready(Resolution::Panicked)),
         };
-        // Outside a tokio runtime, tokio's timer would panic: no timeout there.
-        if tokio::runtime::Handle::try_current().is_err() {
+        // Outside a tokio runtime, tokio's timer would panic: no timeout there; nor with no
+        // bound at all (a runtime without its timer can still resolve tiers then).
+        if timeout == Duration::MAX || tokio::runtime::Handle::try_current().is_err() {
             return Box::pin(answer);
         }
         Box::pin(async move {
