@@ -139,14 +139,19 @@ struct Padded(Mutex<Shard>);
 /// bytes: the key and the theoretical arrival time).
 #[derive(Default)]
 struct Shard {
-    /// The pairs of each policy that has some in the shard, by policy id (already a hash). A
-    /// policy's table goes with its last pair, so there are never more tables than pairs (and
-    /// usually a handful).
-    policies: HashTable<ByPolicy>,
+    /// The pairs of each policy that has some in the shard. A policy's table goes with its last
+    /// pair, so there are never more tables than pairs (and usually a handful).
+    policies: Vec<ByPolicy>,
+    /// The position of each policy in `policies`, by id (already a hash): searched only when
+    /// there are more than [`FEW_POLICIES`], a handful being quicker to compare one by one.
+    index: HashTable<usize>,
     /// How many pairs the tables hold.
     len: usize,
     order: Soonest,
 }
+
+/// Up to how many policies a shard finds a policy's table by comparing ids in turn.
+const FEW_POLICIES: usize = 4;
 
 /// The pairs of one policy in a shard.
 struct ByPolicy {
@@ -394,12 +399,11 @@ enum Update {
 
 // GCRA's state is its own expiry: the theoretical arrival time.
 impl Kept for Gcra {
-
     fn fresh(_: &Policy) -> Self {
         Gcra::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::Gcra(next))
@@ -444,12 +448,11 @@ impl Kept for Gcra {
 
 // So is the leaky bucket's: the time its level drains to zero.
 impl Kept for LeakyBucket {
-
     fn fresh(_: &Policy) -> Self {
         LeakyBucket::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::LeakyBucket(next))
@@ -516,7 +519,6 @@ trait Algo: Sized {
 }
 
 impl<S: Algo> Kept for Timed<S> {
-
     fn fresh(policy: &Policy) -> Self {
         Timed {
             expires: 0,
@@ -524,7 +526,10 @@ impl<S: Algo> Kept for Timed<S> {
         }
     }
 
-    #[inline]
+    // Always inlined: returned through the stack, a `(Decision, Update)` costs a
+    // store-forwarding stall (the sliding window counter's check was not inlined once each
+    // policy had its own table).
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         self.state.decide(policy, now, cost)
     }
@@ -560,12 +565,11 @@ impl<S: Algo> Kept for Timed<S> {
 }
 
 impl Algo for TokenBucket {
-
     fn fresh(policy: &Policy) -> Self {
         TokenBucket::full(policy.limit(), policy.period_nanos())
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::TokenBucket(next))
@@ -610,12 +614,11 @@ impl Algo for TokenBucket {
 }
 
 impl Algo for FixedWindow {
-
     fn fresh(_: &Policy) -> Self {
         FixedWindow::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::FixedWindow(next))
@@ -663,12 +666,11 @@ impl Algo for FixedWindow {
 }
 
 impl Algo for SlidingWindow {
-
     fn fresh(_: &Policy) -> Self {
         SlidingWindow::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::SlidingWindow(next))
@@ -724,12 +726,11 @@ impl Algo for SlidingWindow {
 }
 
 impl Algo for SlidingLog {
-
     fn fresh(_: &Policy) -> Self {
         SlidingLog::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let d = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::SlidingLog { now, cost })
@@ -782,16 +783,28 @@ impl Shard {
         self.len
     }
 
+    /// Where policy `id` is in `policies`, if it has pairs in the shard.
+    #[inline]
+    fn position(&self, id: u64) -> Option<usize> {
+        if self.policies.len() <= FEW_POLICIES {
+            self.policies.iter().position(|p| p.id == id)
+        } else {
+            let at = |&pos: &usize| self.policies.get(pos).is_some_and(|p| p.id == id);
+            self.index.find(id, at).copied()
+        }
+    }
+
     /// The table of policy `id`, if it has pairs in the shard and keeps `K`.
     #[inline]
     fn table<K: Kept>(&self, id: u64) -> Option<&Table<K>> {
-        K::table(&self.policies.find(id, |p| p.id == id)?.table)
+        K::table(&self.policies.get(self.position(id)?)?.table)
     }
 
     /// [`Shard::table`], to change.
     #[inline]
     fn table_mut<K: Kept>(&mut self, id: u64) -> Option<&mut Table<K>> {
-        K::table_mut(&mut self.policies.find_mut(id, |p| p.id == id)?.table)
+        let pos = self.position(id)?;
+        K::table_mut(&mut self.policies.get_mut(pos)?.table)
     }
 
     /// Tracks a new pair of `policy`, in its table (made if it is the first).
@@ -803,41 +816,72 @@ impl Shard {
         rehash: impl Fn(u64, &[u8]) -> u64,
     ) {
         let id = policy.id();
-        let by_policy = self
-            .policies
-            .entry(id, |p| p.id == id, |p| p.id)
-            .or_insert_with(|| ByPolicy {
-                id,
-                period: policy.period_nanos(),
-                table: K::empty(),
-            })
-            .into_mut();
+        let pos = match self.position(id) {
+            Some(pos) => pos,
+            None => {
+                let pos = self.policies.len();
+                self.policies.push(ByPolicy {
+                    id,
+                    period: policy.period_nanos(),
+                    table: K::empty(),
+                });
+                let policies = &self.policies;
+                let rehash_pos = |&p: &usize| policies.get(p).map_or(0, |p| p.id);
+                self.index.insert_unique(id, pos, rehash_pos);
+                pos
+            }
+        };
         // A policy's id hashes its algorithm with the rest: a table of another algorithm under
         // the same id would take two policies whose 64-bit hashes agree. Such a pair is not
         // tracked, and every check of it answers as for a new key.
-        if let Some(table) = K::table_mut(&mut by_policy.table) {
+        let by_policy = self.policies.get_mut(pos);
+        if let Some(table) = by_policy.and_then(|p| K::table_mut(&mut p.table)) {
             table.insert_unique(hash, slot, |s| rehash(id, s.key.as_bytes()));
             self.len += 1;
         }
     }
 
+    /// Forgets the (empty) table at `pos`: the last table takes its place.
+    fn remove_policy(&mut self, pos: usize) {
+        let removed = self.policies.swap_remove(pos);
+        if let Ok(entry) = self.index.find_entry(removed.id, |&p| p == pos) {
+            entry.remove();
+        }
+        let last = self.policies.len();
+        if let Some(moved) = self.policies.get(pos) {
+            if let Some(p) = self.index.find_mut(moved.id, |&p| p == last) {
+                *p = pos;
+            }
+        }
+    }
+
+    /// Forgets the empty tables, after a scan or a sweep, and counts the pairs left.
+    fn drop_empty_tables(&mut self) {
+        self.policies.retain(|p| p.table.len() > 0);
+        self.index.clear();
+        for (pos, p) in self.policies.iter().enumerate() {
+            let policies = &self.policies;
+            let rehash_pos = |&p: &usize| policies.get(p).map_or(0, |p| p.id);
+            self.index.insert_unique(p.id, pos, rehash_pos);
+        }
+        self.len = self.policies.iter().map(|p| p.table.len()).sum();
+    }
+
     /// Keeps the slots for which `keep(expiry)` is true.
     fn retain(&mut self, mut keep: impl FnMut(u64) -> bool) {
-        self.policies.retain(|p| {
+        for p in &mut self.policies {
             on_table!(&mut p.table, t => t.retain(|slot| keep(slot.state.expires())));
-            p.table.len() > 0
-        });
-        self.len = self.policies.iter().map(|p| p.table.len()).sum();
+        }
+        self.drop_empty_tables();
     }
 
     /// Keeps the slots for which `keep(rank at now)` is true.
     fn retain_ranked(&mut self, now: u64, mut keep: impl FnMut(Rank) -> bool) {
-        self.policies.retain(|p| {
+        for p in &mut self.policies {
             let period = p.period;
             on_table!(&mut p.table, t => t.retain(|slot| keep(rank(slot, period, now))));
-            p.table.len() > 0
-        });
-        self.len = self.policies.iter().map(|p| p.table.len()).sum();
+        }
+        self.drop_empty_tables();
     }
 
     /// The rank of every slot at `now`.
@@ -865,7 +909,10 @@ impl Shard {
             let id = p.id;
             on_table!(&mut p.table, t => t.shrink_to_fit(|slot| hash(id, slot.key.as_bytes())));
         }
-        self.policies.shrink_to_fit(|p| p.id);
+        self.policies.shrink_to_fit();
+        let policies = &self.policies;
+        self.index
+            .shrink_to_fit(|&p| policies.get(p).map_or(0, |p| p.id));
     }
 
     /// Frees at least one slot of a full shard, and returns how many live slots it forgot.
@@ -900,13 +947,16 @@ impl Shard {
         hash: &impl Fn(u64, &[u8]) -> u64,
     ) -> Found {
         let id = due.policy;
-        let Ok(mut by_policy) = self.policies.find_entry(id, |p| p.id == id) else {
+        let Some(pos) = self.position(id) else {
+            return Found::Gone;
+        };
+        let Some(by_policy) = self.policies.get_mut(pos) else {
             return Found::Gone;
         };
         // A slot is known by its hash: two slots of one table whose 64-bit keyed hashes agree
         // may be mistaken for each other, which at worst forgets the other one if it, too, has
         // recovered.
-        let found = on_table!(&mut by_policy.get_mut().table, t => {
+        let found = on_table!(&mut by_policy.table, t => {
             match t.find_entry(due.hash, |slot| hash(id, slot.key.as_bytes()) == due.hash) {
                 Ok(slot) if slot.get().state.expires() <= now => {
                     slot.remove();
@@ -918,8 +968,8 @@ impl Shard {
         });
         if let Found::Recovered = found {
             self.len -= 1;
-            if by_policy.get().table.len() == 0 {
-                by_policy.remove();
+            if by_policy.table.len() == 0 {
+                self.remove_policy(pos);
             }
         }
         found
@@ -1555,6 +1605,11 @@ mod tests {
     /// The policies the only shard keeps a table for, and the pairs in each.
     fn policies(store: &MemoryStore<ManualClock>) -> Vec<(u64, usize)> {
         let shard = store.inner.shards[0].0.lock();
+        for (pos, p) in shard.policies.iter().enumerate() {
+            let indexed = shard.index.find(p.id, |&at| at == pos);
+            assert_eq!(indexed, Some(&pos), "the index finds every table");
+        }
+        assert_eq!(shard.index.len(), shard.policies.len());
         let mut out: Vec<_> = shard
             .policies
             .iter()
@@ -1654,7 +1709,8 @@ mod tests {
         store.clock().advance(Duration::from_secs(4000));
         store.sweep();
         assert!(policies(&store).is_empty());
-        assert_eq!(store.inner.shards[0].0.lock().policies.capacity(), 0);
+        let shard = store.inner.shards[0].0.lock();
+        assert_eq!(shard.policies.capacity() + shard.index.capacity(), 0);
     }
 
     #[test]
