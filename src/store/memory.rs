@@ -1938,8 +1938,7 @@ mod tests {
         store.clock().advance(Duration::from_millis(5));
         let buckets = |store: &MemoryStore<ManualClock>| {
             let shard = store.inner.shards[0].0.lock();
-            let table = shard.table::<Gcra>(p.id()).map_or(0, |t| t.num_buckets());
-            table
+            shard.table::<Gcra>(p.id()).map_or(0, |t| t.num_buckets())
         };
         let before = buckets(&store);
         assert_eq!(store.sweep(), 1000);
