@@ -82,7 +82,7 @@ pub const DEFAULT_MEMORY_STORE_NAME: &str = "memory";
 ///   and 72 for the sliding log, whose entries take 16 bytes each on the heap. A key of up to
 ///   23 bytes is stored in the slot; a longer one adds a heap copy. A shard that has been full
 ///   also keeps 24 bytes for each pair in its eviction order (about a sixteenth of them, so
-///   1.5 bytes per key), and each shard 56 bytes (and a control byte) for each policy with a
+///   1.5 bytes per key), and each shard 64 bytes (and a control byte) for each policy with a
 ///   pair in it, plus that policy's table: a policy with few pairs in a shard costs at least
 ///   a table of 4 slots there (one allocation). Measured with 100,000 keys: about 43 bytes per
 ///   key for GCRA, 75 for the sliding window counter (`cargo bench --bench memory_per_key`;
@@ -1116,6 +1116,8 @@ const _: () = {
     assert!(size_of::<Slot<Timed<SlidingWindow>>>() == 56);
     assert!(size_of::<Slot<Timed<SlidingLog>>>() == 72);
     assert!(size_of::<Reverse<Due>>() == 24);
+    // A policy with pairs in a shard: its entry, and its position in the index.
+    assert!(size_of::<ByPolicy>() + size_of::<usize>() == 64);
 };
 
 impl MemoryStore<SystemClock> {
