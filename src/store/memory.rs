@@ -75,15 +75,17 @@ pub const DEFAULT_MEMORY_STORE_NAME: &str = "memory";
 ///   of requests that delay the recovery of a pair in that order). A scan that must forget
 ///   live state ranks every pair (a division or two each) and frees a sixteenth of the shard,
 ///   so under a flood that nothing recovers from it runs once per sixteenth of new keys.
-/// - **Cost per key.** A tracked pair takes one slot in its algorithm's hash table, plus a
-///   control byte and the table's spare capacity: 40 bytes for GCRA, 48 for the leaky bucket,
-///   56 for the token bucket and the fixed window, 64 for the sliding window counter and 80
-///   for the sliding log, whose entries take 16 bytes each on the heap. A key of up to 23
-///   bytes is stored in the slot; a longer one adds a heap copy. A shard that has been full
+/// - **Cost per key.** A tracked pair takes one slot in its policy's hash table (each shard
+///   keeps one table per policy with a pair in it, so a slot holds no policy fingerprint),
+///   plus a control byte and the table's spare capacity: 32 bytes for GCRA, 40 for the leaky
+///   bucket, 48 for the token bucket and the fixed window, 56 for the sliding window counter
+///   and 72 for the sliding log, whose entries take 16 bytes each on the heap. A key of up to
+///   23 bytes is stored in the slot; a longer one adds a heap copy. A shard that has been full
 ///   also keeps 24 bytes for each pair in its eviction order (about a sixteenth of them, so
-///   1.5 bytes per key), and each shard 24 bytes (and a control byte) for each policy with a
-///   pair in it. Measured with 100,000 keys: about 54 bytes per key for GCRA (under
-///   60 resident), 85 for the sliding window counter (`cargo bench --bench memory_per_key`;
+///   1.5 bytes per key), and each shard 64 bytes (and a control byte) for each policy with a
+///   pair in it, plus that policy's table: a policy with few pairs in a shard costs at least
+///   a table of 4 slots there (one allocation). Measured with 100,000 keys: about 43 bytes per
+///   key for GCRA, 75 for the sliding window counter (`cargo bench --bench memory_per_key`;
 ///   BENCHMARKS.md has every figure).
 ///
 /// Clones share one state: cloning the store (or a layer holding it) never splits a limit.
@@ -132,70 +134,63 @@ struct Inner<C> {
 #[repr(align(128))]
 struct Padded(Mutex<Shard>);
 
-/// A shard keeps one hash table per algorithm, so that each slot is only as large as its own
-/// algorithm's state needs (a GCRA slot is 40 bytes, a sliding window counter's 64).
+/// A shard keeps one hash table per policy (of one algorithm), so that each slot is only as
+/// large as its own algorithm's state needs and holds no policy fingerprint (a GCRA slot is 32
+/// bytes: the key and the theoretical arrival time).
 #[derive(Default)]
 struct Shard {
-    gcra: Table<Gcra>,
-    token_bucket: Table<Timed<TokenBucket>>,
-    leaky_bucket: Table<LeakyBucket>,
-    fixed_window: Table<Timed<FixedWindow>>,
-    sliding_window: Table<Timed<SlidingWindow>>,
-    sliding_log: Table<Timed<SlidingLog>>,
+    /// The pairs of each policy that has some in the shard. A policy's table goes with its last
+    /// pair, so there are never more tables than pairs (and usually a handful).
+    policies: Vec<ByPolicy>,
+    /// The position of each policy in `policies`, by id (already a hash): searched only when
+    /// there are more than [`FEW_POLICIES`], a handful being quicker to compare one by one.
+    index: HashTable<usize>,
+    /// How many pairs the tables hold.
+    len: usize,
     order: Soonest,
-    policies: Policies,
+}
+
+/// Up to how many policies a shard finds a policy's table by comparing ids in turn.
+const FEW_POLICIES: usize = 4;
+
+/// The pairs of one policy in a shard.
+struct ByPolicy {
+    id: u64,
+    /// The policy's period, so that a scan can count what each pair has consumed, in units of
+    /// its own policy, without the policy at hand.
+    period: u64,
+    table: Tables,
+}
+
+/// A policy's table: slots of its algorithm's state.
+enum Tables {
+    Gcra(Table<Gcra>),
+    TokenBucket(Table<Timed<TokenBucket>>),
+    LeakyBucket(Table<LeakyBucket>),
+    FixedWindow(Table<Timed<FixedWindow>>),
+    SlidingWindow(Table<Timed<SlidingWindow>>),
+    SlidingLog(Table<Timed<SlidingLog>>),
 }
 
 type Table<S> = HashTable<Slot<S>>;
 
-/// The period of every policy that has a pair in the shard, so that a scan can count what each
-/// pair has consumed, in units of its own policy, without the policy at hand. One entry per
-/// policy, counting its pairs: it goes with the last of them, so there are never more entries
-/// than pairs (and usually a handful).
-#[derive(Default)]
-struct Policies(HashTable<Known>);
-
-/// A policy in [`Policies`]; its id, already a hash, is its hash in the table.
-struct Known {
-    id: u64,
-    period: u64,
-    pairs: usize,
+/// Runs `$body` with `$table` bound to the table inside `$tables`, whatever its algorithm.
+macro_rules! on_table {
+    ($tables:expr, $table:ident => $body:expr) => {
+        match $tables {
+            Tables::Gcra($table) => $body,
+            Tables::TokenBucket($table) => $body,
+            Tables::LeakyBucket($table) => $body,
+            Tables::FixedWindow($table) => $body,
+            Tables::SlidingWindow($table) => $body,
+            Tables::SlidingLog($table) => $body,
+        }
+    };
 }
 
-impl Policies {
-    /// Counts a new pair of `policy`.
-    #[inline]
-    fn add(&mut self, policy: &Policy) {
-        let id = policy.id();
-        match self.0.find_mut(id, |k| k.id == id) {
-            Some(known) => known.pairs += 1,
-            None => {
-                let known = Known {
-                    id,
-                    period: policy.period_nanos(),
-                    pairs: 1,
-                };
-                self.0.insert_unique(id, known, |k| k.id);
-            }
-        }
-    }
-
-    /// Counts a pair of policy `id` forgotten.
-    #[inline]
-    fn remove(&mut self, id: u64) {
-        if let Ok(mut entry) = self.0.find_entry(id, |k| k.id == id) {
-            if entry.get().pairs > 1 {
-                entry.get_mut().pairs -= 1;
-            } else {
-                entry.remove();
-            }
-        }
-    }
-
-    /// The period of policy `id`, if it has a pair in the shard.
-    #[inline]
-    fn period(&self, id: u64) -> Option<u64> {
-        self.0.find(id, |k| k.id == id).map(|k| k.period)
+impl Tables {
+    fn len(&self) -> usize {
+        on_table!(self, t => t.len())
     }
 }
 
@@ -204,14 +199,10 @@ impl Policies {
 /// to recovery goes first).
 type Rank = (u64, u64);
 
-/// The rank of `slot` at `now`. A slot whose policy is unknown (never: every tracked pair is
-/// counted in [`Policies`]) ranks as if it had consumed everything.
+/// The rank at `now` of `slot`, of a policy whose period is `period`.
 #[inline]
-fn rank<S: Kept>(slot: &Slot<S>, policies: &Policies, now: u64) -> Rank {
-    let consumed = policies
-        .period(slot.policy)
-        .map_or(u64::MAX, |period| slot.state.consumed(period, now));
-    (consumed, slot.state.expires())
+fn rank<S: Kept>(slot: &Slot<S>, period: u64, now: u64) -> Rank {
+    (slot.state.consumed(period, now), slot.state.expires())
 }
 
 /// `nanos` of a bucket's backlog in units of `period`, rounded up: a bucket `nanos` short of
@@ -239,18 +230,18 @@ struct Soonest {
     scans: u64,
 }
 
-/// A slot in [`Soonest::due`]: its table, its hash, and a time before which it cannot have
-/// recovered. Ordered by time first.
+/// A slot in [`Soonest::due`]: its policy's id, its hash, and a time before which it cannot
+/// have recovered. Ordered by time first.
 #[derive(Clone, Copy, PartialEq, Eq)]
 struct Due {
     at: u64,
     hash: u64,
-    algorithm: Algorithm,
+    policy: u64,
 }
 
 impl Due {
-    fn rank(&self) -> (u64, u64, u8) {
-        (self.at, self.hash, self.algorithm as u8)
+    fn rank(&self) -> (u64, u64, u64) {
+        (self.at, self.hash, self.policy)
     }
 }
 
@@ -322,22 +313,14 @@ impl<T: Ord + Copy> Cut<T> {
 
 /// The state of one (key, policy) pair.
 struct Slot<S: Kept> {
-    policy: u64,
     key: Key,
     state: S,
-    /// Takes no room; sets the slot's alignment.
-    _align: S::Align,
 }
-
-/// Aligns a 64-byte slot on a cache line, so that reading it costs one line, not two.
-#[derive(Clone, Copy, Default)]
-#[repr(align(64))]
-struct CacheLine;
 
 impl<S: Kept> Slot<S> {
     #[inline]
-    fn is(&self, policy: u64, key: &str) -> bool {
-        self.policy == policy && self.key.is(key.as_bytes())
+    fn is(&self, key: &str) -> bool {
+        self.key.is(key.as_bytes())
     }
 }
 
@@ -375,12 +358,6 @@ macro_rules! with_kept {
 
 /// What a table keeps for one algorithm: its state, and how to decide, commit and expire it.
 trait Kept: Sized {
-    /// `()`, or [`CacheLine`] for a slot of exactly 64 bytes.
-    type Align: Default;
-
-    /// The algorithm whose table keeps this state.
-    const ALGORITHM: Algorithm;
-
     /// The state of a key never seen under `policy`.
     fn fresh(policy: &Policy) -> Self;
 
@@ -399,9 +376,14 @@ trait Kept: Sized {
     /// remaining` of a check of cost 0 at `now`.
     fn consumed(&self, period: u64, now: u64) -> u64;
 
-    fn table(shard: &Shard) -> &Table<Self>;
+    /// An empty table of this state.
+    fn empty() -> Tables;
 
-    fn table_mut(shard: &mut Shard) -> &mut Table<Self>;
+    /// The table in `tables`, if it keeps this state.
+    fn table(tables: &Tables) -> Option<&Table<Self>>;
+
+    /// [`Kept::table`], to change.
+    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Self>>;
 }
 
 /// What to write if a decision is committed.
@@ -417,14 +399,11 @@ enum Update {
 
 // GCRA's state is its own expiry: the theoretical arrival time.
 impl Kept for Gcra {
-    type Align = ();
-    const ALGORITHM: Algorithm = Algorithm::Gcra;
-
     fn fresh(_: &Policy) -> Self {
         Gcra::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::Gcra(next))
@@ -446,25 +425,34 @@ impl Kept for Gcra {
         units(self.tat.saturating_sub(now), period)
     }
 
-    fn table(shard: &Shard) -> &Table<Self> {
-        &shard.gcra
+    fn empty() -> Tables {
+        Tables::Gcra(HashTable::new())
     }
 
-    fn table_mut(shard: &mut Shard) -> &mut Table<Self> {
-        &mut shard.gcra
+    #[inline]
+    fn table(tables: &Tables) -> Option<&Table<Self>> {
+        match tables {
+            Tables::Gcra(table) => Some(table),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Self>> {
+        match tables {
+            Tables::Gcra(table) => Some(table),
+            _ => None,
+        }
     }
 }
 
 // So is the leaky bucket's: the time its level drains to zero.
 impl Kept for LeakyBucket {
-    type Align = ();
-    const ALGORITHM: Algorithm = Algorithm::LeakyBucket;
-
     fn fresh(_: &Policy) -> Self {
         LeakyBucket::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::LeakyBucket(next))
@@ -490,12 +478,24 @@ impl Kept for LeakyBucket {
         )
     }
 
-    fn table(shard: &Shard) -> &Table<Self> {
-        &shard.leaky_bucket
+    fn empty() -> Tables {
+        Tables::LeakyBucket(HashTable::new())
     }
 
-    fn table_mut(shard: &mut Shard) -> &mut Table<Self> {
-        &mut shard.leaky_bucket
+    #[inline]
+    fn table(tables: &Tables) -> Option<&Table<Self>> {
+        match tables {
+            Tables::LeakyBucket(table) => Some(table),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Self>> {
+        match tables {
+            Tables::LeakyBucket(table) => Some(table),
+            _ => None,
+        }
     }
 }
 
@@ -507,22 +507,18 @@ struct Timed<S> {
 
 /// The pure algorithm behind a [`Timed`] state.
 trait Algo: Sized {
-    type Align: Default;
-    const ALGORITHM: Algorithm;
     fn fresh(policy: &Policy) -> Self;
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update);
     fn apply(&mut self, policy: &Policy, update: Update);
     fn recovered_at(&self, policy: &Policy) -> u64;
     /// [`Kept::consumed`], given the expiry kept beside the state.
     fn consumed(&self, expires: u64, period: u64, now: u64) -> u64;
-    fn table(shard: &Shard) -> &Table<Timed<Self>>;
-    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>>;
+    fn empty() -> Tables;
+    fn table(tables: &Tables) -> Option<&Table<Timed<Self>>>;
+    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Timed<Self>>>;
 }
 
 impl<S: Algo> Kept for Timed<S> {
-    type Align = S::Align;
-    const ALGORITHM: Algorithm = S::ALGORITHM;
-
     fn fresh(policy: &Policy) -> Self {
         Timed {
             expires: 0,
@@ -530,7 +526,10 @@ impl<S: Algo> Kept for Timed<S> {
         }
     }
 
-    #[inline]
+    // Always inlined: returned through the stack, a `(Decision, Update)` costs a
+    // store-forwarding stall (the sliding window counter's check was not inlined once each
+    // policy had its own table).
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         self.state.decide(policy, now, cost)
     }
@@ -550,24 +549,27 @@ impl<S: Algo> Kept for Timed<S> {
         self.state.consumed(self.expires, period, now)
     }
 
-    fn table(shard: &Shard) -> &Table<Self> {
-        S::table(shard)
+    fn empty() -> Tables {
+        S::empty()
     }
 
-    fn table_mut(shard: &mut Shard) -> &mut Table<Self> {
-        S::table_mut(shard)
+    #[inline]
+    fn table(tables: &Tables) -> Option<&Table<Self>> {
+        S::table(tables)
+    }
+
+    #[inline]
+    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Self>> {
+        S::table_mut(tables)
     }
 }
 
 impl Algo for TokenBucket {
-    type Align = ();
-    const ALGORITHM: Algorithm = Algorithm::TokenBucket;
-
     fn fresh(policy: &Policy) -> Self {
         TokenBucket::full(policy.limit(), policy.period_nanos())
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::TokenBucket(next))
@@ -590,24 +592,33 @@ impl Algo for TokenBucket {
         units(expires.saturating_sub(now.max(self.last)), period)
     }
 
-    fn table(shard: &Shard) -> &Table<Timed<Self>> {
-        &shard.token_bucket
+    fn empty() -> Tables {
+        Tables::TokenBucket(HashTable::new())
     }
 
-    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>> {
-        &mut shard.token_bucket
+    #[inline]
+    fn table(tables: &Tables) -> Option<&Table<Timed<Self>>> {
+        match tables {
+            Tables::TokenBucket(table) => Some(table),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Timed<Self>>> {
+        match tables {
+            Tables::TokenBucket(table) => Some(table),
+            _ => None,
+        }
     }
 }
 
 impl Algo for FixedWindow {
-    type Align = ();
-    const ALGORITHM: Algorithm = Algorithm::FixedWindow;
-
     fn fresh(_: &Policy) -> Self {
         FixedWindow::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::FixedWindow(next))
@@ -633,24 +644,33 @@ impl Algo for FixedWindow {
         }
     }
 
-    fn table(shard: &Shard) -> &Table<Timed<Self>> {
-        &shard.fixed_window
+    fn empty() -> Tables {
+        Tables::FixedWindow(HashTable::new())
     }
 
-    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>> {
-        &mut shard.fixed_window
+    #[inline]
+    fn table(tables: &Tables) -> Option<&Table<Timed<Self>>> {
+        match tables {
+            Tables::FixedWindow(table) => Some(table),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Timed<Self>>> {
+        match tables {
+            Tables::FixedWindow(table) => Some(table),
+            _ => None,
+        }
     }
 }
 
 impl Algo for SlidingWindow {
-    type Align = CacheLine;
-    const ALGORITHM: Algorithm = Algorithm::SlidingWindow;
-
     fn fresh(_: &Policy) -> Self {
         SlidingWindow::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let (next, d) = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::SlidingWindow(next))
@@ -684,24 +704,33 @@ impl Algo for SlidingWindow {
         u64::try_from(scaled / u128::from(w)).unwrap_or(u64::MAX)
     }
 
-    fn table(shard: &Shard) -> &Table<Timed<Self>> {
-        &shard.sliding_window
+    fn empty() -> Tables {
+        Tables::SlidingWindow(HashTable::new())
     }
 
-    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>> {
-        &mut shard.sliding_window
+    #[inline]
+    fn table(tables: &Tables) -> Option<&Table<Timed<Self>>> {
+        match tables {
+            Tables::SlidingWindow(table) => Some(table),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Timed<Self>>> {
+        match tables {
+            Tables::SlidingWindow(table) => Some(table),
+            _ => None,
+        }
     }
 }
 
 impl Algo for SlidingLog {
-    type Align = ();
-    const ALGORITHM: Algorithm = Algorithm::SlidingLog;
-
     fn fresh(_: &Policy) -> Self {
         SlidingLog::default()
     }
 
-    #[inline]
+    #[inline(always)]
     fn decide(&self, policy: &Policy, now: u64, cost: u64) -> (Decision, Update) {
         let d = self.check(policy.limit(), policy.period_nanos(), now, cost);
         (d, Update::SlidingLog { now, cost })
@@ -728,119 +757,162 @@ impl Algo for SlidingLog {
             .sum()
     }
 
-    fn table(shard: &Shard) -> &Table<Timed<Self>> {
-        &shard.sliding_log
+    fn empty() -> Tables {
+        Tables::SlidingLog(HashTable::new())
     }
 
-    fn table_mut(shard: &mut Shard) -> &mut Table<Timed<Self>> {
-        &mut shard.sliding_log
+    #[inline]
+    fn table(tables: &Tables) -> Option<&Table<Timed<Self>>> {
+        match tables {
+            Tables::SlidingLog(table) => Some(table),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Timed<Self>>> {
+        match tables {
+            Tables::SlidingLog(table) => Some(table),
+            _ => None,
+        }
     }
 }
 
 impl Shard {
     fn len(&self) -> usize {
-        self.gcra.len()
-            + self.token_bucket.len()
-            + self.leaky_bucket.len()
-            + self.fixed_window.len()
-            + self.sliding_window.len()
-            + self.sliding_log.len()
+        self.len
+    }
+
+    /// Where policy `id` is in `policies`, if it has pairs in the shard.
+    #[inline]
+    fn position(&self, id: u64) -> Option<usize> {
+        if self.policies.len() <= FEW_POLICIES {
+            self.policies.iter().position(|p| p.id == id)
+        } else {
+            let at = |&pos: &usize| self.policies.get(pos).is_some_and(|p| p.id == id);
+            self.index.find(id, at).copied()
+        }
+    }
+
+    /// The table of policy `id`, if it has pairs in the shard and keeps `K`.
+    #[inline]
+    fn table<K: Kept>(&self, id: u64) -> Option<&Table<K>> {
+        K::table(&self.policies.get(self.position(id)?)?.table)
+    }
+
+    /// [`Shard::table`], to change.
+    #[inline]
+    fn table_mut<K: Kept>(&mut self, id: u64) -> Option<&mut Table<K>> {
+        let pos = self.position(id)?;
+        K::table_mut(&mut self.policies.get_mut(pos)?.table)
+    }
+
+    /// Tracks a new pair of `policy`, in its table (made if it is the first).
+    fn insert_slot<K: Kept>(
+        &mut self,
+        policy: &Policy,
+        hash: u64,
+        slot: Slot<K>,
+        rehash: impl Fn(u64, &[u8]) -> u64,
+    ) {
+        let id = policy.id();
+        let pos = match self.position(id) {
+            Some(pos) => pos,
+            None => {
+                let pos = self.policies.len();
+                self.policies.push(ByPolicy {
+                    id,
+                    period: policy.period_nanos(),
+                    table: K::empty(),
+                });
+                let policies = &self.policies;
+                let rehash_pos = |&p: &usize| policies.get(p).map_or(0, |p| p.id);
+                self.index.insert_unique(id, pos, rehash_pos);
+                pos
+            }
+        };
+        // A policy's id hashes its algorithm with the rest: a table of another algorithm under
+        // the same id would take two policies whose 64-bit hashes agree. Such a pair is not
+        // tracked, and every check of it answers as for a new key.
+        let by_policy = self.policies.get_mut(pos);
+        if let Some(table) = by_policy.and_then(|p| K::table_mut(&mut p.table)) {
+            table.insert_unique(hash, slot, |s| rehash(id, s.key.as_bytes()));
+            self.len += 1;
+        }
+    }
+
+    /// Forgets the (empty) table at `pos`: the last table takes its place.
+    fn remove_policy(&mut self, pos: usize) {
+        let removed = self.policies.swap_remove(pos);
+        if let Ok(entry) = self.index.find_entry(removed.id, |&p| p == pos) {
+            entry.remove();
+        }
+        let last = self.policies.len();
+        if let Some(moved) = self.policies.get(pos) {
+            if let Some(p) = self.index.find_mut(moved.id, |&p| p == last) {
+                *p = pos;
+            }
+        }
+    }
+
+    /// Forgets the empty tables, after a scan or a sweep, and counts the pairs left.
+    fn drop_empty_tables(&mut self) {
+        self.policies.retain(|p| p.table.len() > 0);
+        self.index.clear();
+        for (pos, p) in self.policies.iter().enumerate() {
+            let policies = &self.policies;
+            let rehash_pos = |&p: &usize| policies.get(p).map_or(0, |p| p.id);
+            self.index.insert_unique(p.id, pos, rehash_pos);
+        }
+        self.len = self.policies.iter().map(|p| p.table.len()).sum();
     }
 
     /// Keeps the slots for which `keep(expiry)` is true.
     fn retain(&mut self, mut keep: impl FnMut(u64) -> bool) {
-        fn retain_in<S: Kept>(
-            table: &mut Table<S>,
-            policies: &mut Policies,
-            keep: &mut impl FnMut(u64) -> bool,
-        ) {
-            table.retain(|slot| {
-                let kept = keep(slot.state.expires());
-                if !kept {
-                    policies.remove(slot.policy);
-                }
-                kept
-            });
+        for p in &mut self.policies {
+            on_table!(&mut p.table, t => t.retain(|slot| keep(slot.state.expires())));
         }
-        let p = &mut self.policies;
-        retain_in(&mut self.gcra, p, &mut keep);
-        retain_in(&mut self.token_bucket, p, &mut keep);
-        retain_in(&mut self.leaky_bucket, p, &mut keep);
-        retain_in(&mut self.fixed_window, p, &mut keep);
-        retain_in(&mut self.sliding_window, p, &mut keep);
-        retain_in(&mut self.sliding_log, p, &mut keep);
+        self.drop_empty_tables();
     }
 
     /// Keeps the slots for which `keep(rank at now)` is true.
     fn retain_ranked(&mut self, now: u64, mut keep: impl FnMut(Rank) -> bool) {
-        fn retain_in<S: Kept>(
-            table: &mut Table<S>,
-            policies: &mut Policies,
-            now: u64,
-            keep: &mut impl FnMut(Rank) -> bool,
-        ) {
-            table.retain(|slot| {
-                let kept = keep(rank(slot, policies, now));
-                if !kept {
-                    policies.remove(slot.policy);
-                }
-                kept
-            });
+        for p in &mut self.policies {
+            let period = p.period;
+            on_table!(&mut p.table, t => t.retain(|slot| keep(rank(slot, period, now))));
         }
-        let p = &mut self.policies;
-        retain_in(&mut self.gcra, p, now, &mut keep);
-        retain_in(&mut self.token_bucket, p, now, &mut keep);
-        retain_in(&mut self.leaky_bucket, p, now, &mut keep);
-        retain_in(&mut self.fixed_window, p, now, &mut keep);
-        retain_in(&mut self.sliding_window, p, now, &mut keep);
-        retain_in(&mut self.sliding_log, p, now, &mut keep);
+        self.drop_empty_tables();
     }
 
     /// The rank of every slot at `now`.
     fn ranks(&self, now: u64) -> Vec<Rank> {
-        fn of<'a, S: Kept>(
-            table: &'a Table<S>,
-            policies: &'a Policies,
-            now: u64,
-        ) -> impl Iterator<Item = Rank> + 'a {
-            table.iter().map(move |slot| rank(slot, policies, now))
+        let mut ranks = Vec::with_capacity(self.len);
+        for p in &self.policies {
+            let period = p.period;
+            on_table!(&p.table, t => ranks.extend(t.iter().map(|slot| rank(slot, period, now))));
         }
-        let p = &self.policies;
-        of(&self.gcra, p, now)
-            .chain(of(&self.token_bucket, p, now))
-            .chain(of(&self.leaky_bucket, p, now))
-            .chain(of(&self.fixed_window, p, now))
-            .chain(of(&self.sliding_window, p, now))
-            .chain(of(&self.sliding_log, p, now))
-            .collect()
+        ranks
     }
 
     /// The expiry of every slot.
     fn expiries(&self) -> Vec<u64> {
-        fn of<S: Kept>(table: &Table<S>) -> impl Iterator<Item = u64> + '_ {
-            table.iter().map(|slot| slot.state.expires())
+        let mut expiries = Vec::with_capacity(self.len);
+        for p in &self.policies {
+            on_table!(&p.table, t => expiries.extend(t.iter().map(|slot| slot.state.expires())));
         }
-        of(&self.gcra)
-            .chain(of(&self.token_bucket))
-            .chain(of(&self.leaky_bucket))
-            .chain(of(&self.fixed_window))
-            .chain(of(&self.sliding_window))
-            .chain(of(&self.sliding_log))
-            .collect()
+        expiries
     }
 
     /// Gives the tables' spare capacity back to the allocator.
     fn shrink_to_fit(&mut self, hash: impl Fn(u64, &[u8]) -> u64) {
-        fn shrink<S: Kept>(table: &mut Table<S>, hash: &impl Fn(u64, &[u8]) -> u64) {
-            table.shrink_to_fit(|slot| hash(slot.policy, slot.key.as_bytes()));
+        for p in self.policies.iter_mut() {
+            let id = p.id;
+            on_table!(&mut p.table, t => t.shrink_to_fit(|slot| hash(id, slot.key.as_bytes())));
         }
-        shrink(&mut self.gcra, &hash);
-        shrink(&mut self.token_bucket, &hash);
-        shrink(&mut self.leaky_bucket, &hash);
-        shrink(&mut self.fixed_window, &hash);
-        shrink(&mut self.sliding_window, &hash);
-        shrink(&mut self.sliding_log, &hash);
-        self.policies.0.shrink_to_fit(|k| k.id);
+        self.policies.shrink_to_fit();
+        let policies = &self.policies;
+        self.index
+            .shrink_to_fit(|&p| policies.get(p).map_or(0, |p| p.id));
     }
 
     /// Frees at least one slot of a full shard, and returns how many live slots it forgot.
@@ -850,16 +922,14 @@ impl Shard {
     /// shard is still full of live state, the sixteenth of it whose loss gives away least: the
     /// least consumed as of now (ties: the closest to recovery). A scan that frees less than a
     /// sixty-fourth orders the sixteenth due next. So at any steady flow of new keys, a full
-    /// shard is scanned at most about once per sixty-fourth of its capacity of them.
+    /// shard is scanned at most about once per sixty-fourth of its capacity of new keys.
     fn make_room(&mut self, cap: usize, now: u64, hash: impl Fn(u64, &[u8]) -> u64) -> u64 {
         while let Some(&Reverse(due)) = self.order.due.peek() {
             if due.at > now {
                 break;
             }
             self.order.due.pop();
-            let found =
-                with_kept!(due.algorithm, K => self.forget_if_recovered::<K>(due, now, &hash));
-            match found {
+            match self.forget_if_recovered(due, now, &hash) {
                 Found::Recovered => return 0,
                 Found::Live(at) => self.order.track(Due { at, ..due }),
                 Found::Gone => {}
@@ -868,24 +938,41 @@ impl Shard {
         self.scan(cap, now, &hash)
     }
 
-    /// Forgets the slot of `due` if it has recovered by `now`.
-    fn forget_if_recovered<K: Kept>(
+    /// Forgets the slot of `due` if it has recovered by `now`, and its policy's table with it
+    /// if that was the last.
+    fn forget_if_recovered(
         &mut self,
         due: Due,
         now: u64,
         hash: &impl Fn(u64, &[u8]) -> u64,
     ) -> Found {
+        let id = due.policy;
+        let Some(pos) = self.position(id) else {
+            return Found::Gone;
+        };
+        let Some(by_policy) = self.policies.get_mut(pos) else {
+            return Found::Gone;
+        };
         // A slot is known by its hash: two slots of one table whose 64-bit keyed hashes agree
         // may be mistaken for each other, which at worst forgets the other one if it, too, has
         // recovered.
-        let same = |slot: &Slot<K>| hash(slot.policy, slot.key.as_bytes()) == due.hash;
-        let policy = match K::table_mut(self).find_entry(due.hash, same) {
-            Ok(slot) if slot.get().state.expires() <= now => slot.remove().0.policy,
-            Ok(slot) => return Found::Live(slot.get().state.expires()),
-            Err(_) => return Found::Gone,
-        };
-        self.policies.remove(policy);
-        Found::Recovered
+        let found = on_table!(&mut by_policy.table, t => {
+            match t.find_entry(due.hash, |slot| hash(id, slot.key.as_bytes()) == due.hash) {
+                Ok(slot) if slot.get().state.expires() <= now => {
+                    slot.remove();
+                    Found::Recovered
+                }
+                Ok(slot) => Found::Live(slot.get().state.expires()),
+                Err(_) => Found::Gone,
+            }
+        });
+        if let Found::Recovered = found {
+            self.len -= 1;
+            if by_policy.table.len() == 0 {
+                self.remove_policy(pos);
+            }
+        }
+        found
     }
 
     /// Forgets every recovered slot; if that frees less than a sixty-fourth of the shard,
@@ -925,23 +1012,6 @@ impl Shard {
 
     /// Puts the `n` slots closest to recovery in order; `expiries` are those of every slot.
     fn order_soonest(&mut self, expiries: &mut [u64], n: usize, hash: &impl Fn(u64, &[u8]) -> u64) {
-        fn due_in<S: Kept>(
-            table: &Table<S>,
-            cut: &mut Cut<u64>,
-            hash: &impl Fn(u64, &[u8]) -> u64,
-            due: &mut Vec<Reverse<Due>>,
-        ) {
-            for slot in table {
-                let at = slot.state.expires();
-                if cut.takes(at) {
-                    due.push(Reverse(Due {
-                        at,
-                        hash: hash(slot.policy, slot.key.as_bytes()),
-                        algorithm: S::ALGORITHM,
-                    }));
-                }
-            }
-        }
         let mut due = std::mem::take(&mut self.order.due).into_vec();
         due.clear();
         let n = n.min(expiries.len());
@@ -949,12 +1019,18 @@ impl Shard {
         if n > 0 {
             let mut cut = Cut::smallest(expiries, n);
             self.order.later = cut.at;
-            due_in(&self.gcra, &mut cut, hash, &mut due);
-            due_in(&self.token_bucket, &mut cut, hash, &mut due);
-            due_in(&self.leaky_bucket, &mut cut, hash, &mut due);
-            due_in(&self.fixed_window, &mut cut, hash, &mut due);
-            due_in(&self.sliding_window, &mut cut, hash, &mut due);
-            due_in(&self.sliding_log, &mut cut, hash, &mut due);
+            for p in &self.policies {
+                let id = p.id;
+                on_table!(&p.table, t => {
+                    for slot in t {
+                        let at = slot.state.expires();
+                        if cut.takes(at) {
+                            let hash = hash(id, slot.key.as_bytes());
+                            due.push(Reverse(Due { at, hash, policy: id }));
+                        }
+                    }
+                });
+            }
         }
         self.order.due = BinaryHeap::from(due);
     }
@@ -1033,14 +1109,15 @@ impl KeyLen {
 // The sizes the documentation promises.
 const _: () = {
     assert!(size_of::<Key>() == 24);
-    assert!(size_of::<Slot<Gcra>>() == 40);
-    assert!(size_of::<Slot<LeakyBucket>>() == 48);
-    assert!(size_of::<Slot<Timed<TokenBucket>>>() == 56);
-    assert!(size_of::<Slot<Timed<FixedWindow>>>() == 56);
-    assert!(size_of::<Slot<Timed<SlidingWindow>>>() == 64);
-    assert!(align_of::<Slot<Timed<SlidingWindow>>>() == 64);
-    assert!(size_of::<Slot<Timed<SlidingLog>>>() == 80);
+    assert!(size_of::<Slot<Gcra>>() == 32);
+    assert!(size_of::<Slot<LeakyBucket>>() == 40);
+    assert!(size_of::<Slot<Timed<TokenBucket>>>() == 48);
+    assert!(size_of::<Slot<Timed<FixedWindow>>>() == 48);
+    assert!(size_of::<Slot<Timed<SlidingWindow>>>() == 56);
+    assert!(size_of::<Slot<Timed<SlidingLog>>>() == 72);
     assert!(size_of::<Reverse<Due>>() == 24);
+    // A policy with pairs in a shard: its entry, and its position in the index.
+    assert!(size_of::<ByPolicy>() + size_of::<usize>() == 64);
 };
 
 impl MemoryStore<SystemClock> {
@@ -1255,7 +1332,8 @@ fn guard_for<'g, 's>(
 /// Decides one item of a stacked check, changing nothing.
 fn decide_in<K: Kept>(shard: &Shard, item: &Item<'_>, now: u64) -> (Decision, Update) {
     let (policy, cost) = (item.policy, item.cost);
-    match K::table(shard).find(item.hash, |s| s.is(policy.id(), item.key)) {
+    let table = shard.table::<K>(policy.id());
+    match table.and_then(|t| t.find(item.hash, |s| s.is(item.key))) {
         Some(slot) => slot.state.decide(policy, now, cost),
         None => K::fresh(policy).decide(policy, now, cost),
     }
@@ -1266,9 +1344,11 @@ impl<C: Clock> Inner<C> {
     #[inline]
     fn check_one<K: Kept>(&self, key: &str, policy: &Policy, cost: u64) -> Decision {
         let now = self.clock.now();
-        let hash = self.hash(policy.id(), key.as_bytes());
+        let id = policy.id();
+        let hash = self.hash(id, key.as_bytes());
         let mut shard = self.shard(hash);
-        if let Some(slot) = K::table_mut(&mut shard).find_mut(hash, |s| s.is(policy.id(), key)) {
+        let table = shard.table_mut::<K>(id);
+        if let Some(slot) = table.and_then(|t| t.find_mut(hash, |s| s.is(key))) {
             let (decision, update) = slot.state.decide(policy, now, cost);
             if decision.allowed() && cost > 0 {
                 slot.state.apply(policy, update);
@@ -1305,7 +1385,8 @@ impl<C> Inner<C> {
     /// Commits an admitted item of a stacked check.
     fn commit<K: Kept>(&self, shard: &mut Shard, item: &Item<'_>, update: Update, now: u64) {
         let (policy, key) = (item.policy, item.key);
-        match K::table_mut(shard).find_mut(item.hash, |s| s.is(policy.id(), key)) {
+        let table = shard.table_mut::<K>(policy.id());
+        match table.and_then(|t| t.find_mut(item.hash, |s| s.is(key))) {
             Some(slot) => slot.state.apply(policy, update),
             None => {
                 let mut state = K::fresh(policy);
@@ -1332,19 +1413,16 @@ impl<C> Inner<C> {
                 self.evictions.increment(evicted);
             }
         }
-        shard.policies.add(policy);
         shard.order.track(Due {
             at: state.expires(),
             hash,
-            algorithm: K::ALGORITHM,
+            policy: policy.id(),
         });
         let slot = Slot {
-            policy: policy.id(),
             key: Key::new(key),
             state,
-            _align: K::Align::default(),
         };
-        K::table_mut(shard).insert_unique(hash, slot, |s| self.hash(s.policy, s.key.as_bytes()));
+        shard.insert_slot(policy, hash, slot, |p, k| self.hash(p, k));
     }
 }
 
@@ -1494,55 +1572,51 @@ mod tests {
 
     /// Every tracked pair of the store's only shard, and its expiry.
     fn slots(store: &MemoryStore<ManualClock>) -> Vec<(Pair, u64)> {
-        fn of<S: Kept>(table: &Table<S>, out: &mut Vec<(Pair, u64)>) {
-            for slot in table {
-                let id = (
-                    format!("{:?}", S::ALGORITHM),
-                    slot.policy,
-                    slot.key.as_bytes().to_vec(),
-                );
-                out.push((id, slot.state.expires()));
-            }
-        }
         let shard = store.inner.shards[0].0.lock();
         let mut out = Vec::new();
-        of(&shard.gcra, &mut out);
-        of(&shard.token_bucket, &mut out);
-        of(&shard.leaky_bucket, &mut out);
-        of(&shard.fixed_window, &mut out);
-        of(&shard.sliding_window, &mut out);
-        of(&shard.sliding_log, &mut out);
+        for p in &shard.policies {
+            on_table!(&p.table, t => {
+                for slot in t {
+                    let algorithm = std::any::type_name_of_val(&slot.state).to_owned();
+                    let id = (algorithm, p.id, slot.key.as_bytes().to_vec());
+                    out.push((id, slot.state.expires()));
+                }
+            });
+        }
+        assert_eq!(shard.len(), out.len(), "the shard counts its pairs");
         out
     }
 
     /// Every tracked pair of the store's only shard, and its rank now.
     fn ranked(store: &MemoryStore<ManualClock>) -> Vec<(Pair, Rank)> {
-        fn of<S: Kept>(table: &Table<S>, p: &Policies, now: u64, out: &mut Vec<(Pair, Rank)>) {
-            for slot in table {
-                let id = (
-                    format!("{:?}", S::ALGORITHM),
-                    slot.policy,
-                    slot.key.as_bytes().to_vec(),
-                );
-                out.push((id, rank(slot, p, now)));
-            }
-        }
         let now = store.clock().now();
         let shard = store.inner.shards[0].0.lock();
-        let (p, mut out) = (&shard.policies, Vec::new());
-        of(&shard.gcra, p, now, &mut out);
-        of(&shard.token_bucket, p, now, &mut out);
-        of(&shard.leaky_bucket, p, now, &mut out);
-        of(&shard.fixed_window, p, now, &mut out);
-        of(&shard.sliding_window, p, now, &mut out);
-        of(&shard.sliding_log, p, now, &mut out);
+        let mut out = Vec::new();
+        for p in &shard.policies {
+            on_table!(&p.table, t => {
+                for slot in t {
+                    let algorithm = std::any::type_name_of_val(&slot.state).to_owned();
+                    let id = (algorithm, p.id, slot.key.as_bytes().to_vec());
+                    out.push((id, rank(slot, p.period, now)));
+                }
+            });
+        }
         out
     }
 
-    /// The policies the only shard counts, and their pairs.
+    /// The policies the only shard keeps a table for, and the pairs in each.
     fn policies(store: &MemoryStore<ManualClock>) -> Vec<(u64, usize)> {
         let shard = store.inner.shards[0].0.lock();
-        let mut out: Vec<_> = shard.policies.0.iter().map(|k| (k.id, k.pairs)).collect();
+        for (pos, p) in shard.policies.iter().enumerate() {
+            let indexed = shard.index.find(p.id, |&at| at == pos);
+            assert_eq!(indexed, Some(&pos), "the index finds every table");
+        }
+        assert_eq!(shard.index.len(), shard.policies.len());
+        let mut out: Vec<_> = shard
+            .policies
+            .iter()
+            .map(|p| (p.id, p.table.len()))
+            .collect();
         out.sort_unstable();
         out
     }
@@ -1563,7 +1637,7 @@ mod tests {
     /// What the only shard's pair of (`key`, `policy`) has consumed now, by [`Kept::consumed`].
     fn consumed(store: &MemoryStore<ManualClock>, key: &str, policy: &Policy) -> Option<u64> {
         fn of<S: Kept>(shard: &Shard, hash: u64, key: &str, p: &Policy, now: u64) -> Option<u64> {
-            let slot = S::table(shard).find(hash, |s| s.is(p.id(), key))?;
+            let slot = shard.table::<S>(p.id())?.find(hash, |s| s.is(key))?;
             Some(slot.state.consumed(p.period_nanos(), now))
         }
         let now = store.clock().now();
@@ -1617,7 +1691,7 @@ mod tests {
     }
 
     #[test]
-    fn the_shard_counts_the_policies_of_its_pairs_and_no_others() {
+    fn the_shard_keeps_a_table_for_the_policies_of_its_pairs_and_no_others() {
         // Pairs of many policies come and go: by recovery (from the order and by a scan), by
         // eviction, and by a sweep.
         let ms = Duration::from_millis;
@@ -1637,7 +1711,8 @@ mod tests {
         store.clock().advance(Duration::from_secs(4000));
         store.sweep();
         assert!(policies(&store).is_empty());
-        assert_eq!(store.inner.shards[0].0.lock().policies.0.capacity(), 0);
+        let shard = store.inner.shards[0].0.lock();
+        assert_eq!(shard.policies.capacity() + shard.index.capacity(), 0);
     }
 
     #[test]
@@ -1863,10 +1938,14 @@ mod tests {
         }
         // The old keys recover exactly now.
         store.clock().advance(Duration::from_millis(5));
-        let buckets = store.inner.shards[0].0.lock().gcra.num_buckets();
+        let buckets = |store: &MemoryStore<ManualClock>| {
+            let shard = store.inner.shards[0].0.lock();
+            shard.table::<Gcra>(p.id()).map_or(0, |t| t.num_buckets())
+        };
+        let before = buckets(&store);
         assert_eq!(store.sweep(), 1000);
         assert_eq!(store.len(), 10);
-        assert!(store.inner.shards[0].0.lock().gcra.num_buckets() < buckets);
+        assert!(buckets(&store) < before);
         for i in 0..10 {
             let d = store.check_now(&format!("live{i}"), &p, 1).unwrap();
             assert!(!d.allowed(), "live{i} is still limited");
