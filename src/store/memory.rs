@@ -397,6 +397,35 @@ enum Update {
     SlidingLog { now: u64, cost: u64 },
 }
 
+/// The methods of [`Kept`] (or `Algo`) that name the variant of [`Tables`] holding a type's
+/// slots, of type `$state`.
+macro_rules! kept_tables {
+    ($variant:ident) => {
+        kept_tables!($variant, Self);
+    };
+    ($variant:ident, $state:ty) => {
+        fn empty() -> Tables {
+            Tables::$variant(HashTable::new())
+        }
+
+        #[inline]
+        fn table(tables: &Tables) -> Option<&Table<$state>> {
+            match tables {
+                Tables::$variant(table) => Some(table),
+                _ => None,
+            }
+        }
+
+        #[inline]
+        fn table_mut(tables: &mut Tables) -> Option<&mut Table<$state>> {
+            match tables {
+                Tables::$variant(table) => Some(table),
+                _ => None,
+            }
+        }
+    };
+}
+
 // GCRA's state is its own expiry: the theoretical arrival time.
 impl Kept for Gcra {
     fn fresh(_: &Policy) -> Self {
@@ -425,25 +454,7 @@ impl Kept for Gcra {
         units(self.tat.saturating_sub(now), period)
     }
 
-    fn empty() -> Tables {
-        Tables::Gcra(HashTable::new())
-    }
-
-    #[inline]
-    fn table(tables: &Tables) -> Option<&Table<Self>> {
-        match tables {
-            Tables::Gcra(table) => Some(table),
-            _ => None,
-        }
-    }
-
-    #[inline]
-    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Self>> {
-        match tables {
-            Tables::Gcra(table) => Some(table),
-            _ => None,
-        }
-    }
+    kept_tables!(Gcra);
 }
 
 // So is the leaky bucket's: the time its level drains to zero.
@@ -478,25 +489,7 @@ impl Kept for LeakyBucket {
         )
     }
 
-    fn empty() -> Tables {
-        Tables::LeakyBucket(HashTable::new())
-    }
-
-    #[inline]
-    fn table(tables: &Tables) -> Option<&Table<Self>> {
-        match tables {
-            Tables::LeakyBucket(table) => Some(table),
-            _ => None,
-        }
-    }
-
-    #[inline]
-    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Self>> {
-        match tables {
-            Tables::LeakyBucket(table) => Some(table),
-            _ => None,
-        }
-    }
+    kept_tables!(LeakyBucket);
 }
 
 /// A state whose expiry depends on the policy, kept beside it (computed on each commit).
@@ -592,25 +585,7 @@ impl Algo for TokenBucket {
         units(expires.saturating_sub(now.max(self.last)), period)
     }
 
-    fn empty() -> Tables {
-        Tables::TokenBucket(HashTable::new())
-    }
-
-    #[inline]
-    fn table(tables: &Tables) -> Option<&Table<Timed<Self>>> {
-        match tables {
-            Tables::TokenBucket(table) => Some(table),
-            _ => None,
-        }
-    }
-
-    #[inline]
-    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Timed<Self>>> {
-        match tables {
-            Tables::TokenBucket(table) => Some(table),
-            _ => None,
-        }
-    }
+    kept_tables!(TokenBucket, Timed<Self>);
 }
 
 impl Algo for FixedWindow {
@@ -644,25 +619,7 @@ impl Algo for FixedWindow {
         }
     }
 
-    fn empty() -> Tables {
-        Tables::FixedWindow(HashTable::new())
-    }
-
-    #[inline]
-    fn table(tables: &Tables) -> Option<&Table<Timed<Self>>> {
-        match tables {
-            Tables::FixedWindow(table) => Some(table),
-            _ => None,
-        }
-    }
-
-    #[inline]
-    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Timed<Self>>> {
-        match tables {
-            Tables::FixedWindow(table) => Some(table),
-            _ => None,
-        }
-    }
+    kept_tables!(FixedWindow, Timed<Self>);
 }
 
 impl Algo for SlidingWindow {
@@ -704,25 +661,7 @@ impl Algo for SlidingWindow {
         u64::try_from(scaled / u128::from(w)).unwrap_or(u64::MAX)
     }
 
-    fn empty() -> Tables {
-        Tables::SlidingWindow(HashTable::new())
-    }
-
-    #[inline]
-    fn table(tables: &Tables) -> Option<&Table<Timed<Self>>> {
-        match tables {
-            Tables::SlidingWindow(table) => Some(table),
-            _ => None,
-        }
-    }
-
-    #[inline]
-    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Timed<Self>>> {
-        match tables {
-            Tables::SlidingWindow(table) => Some(table),
-            _ => None,
-        }
-    }
+    kept_tables!(SlidingWindow, Timed<Self>);
 }
 
 impl Algo for SlidingLog {
@@ -757,25 +696,7 @@ impl Algo for SlidingLog {
             .sum()
     }
 
-    fn empty() -> Tables {
-        Tables::SlidingLog(HashTable::new())
-    }
-
-    #[inline]
-    fn table(tables: &Tables) -> Option<&Table<Timed<Self>>> {
-        match tables {
-            Tables::SlidingLog(table) => Some(table),
-            _ => None,
-        }
-    }
-
-    #[inline]
-    fn table_mut(tables: &mut Tables) -> Option<&mut Table<Timed<Self>>> {
-        match tables {
-            Tables::SlidingLog(table) => Some(table),
-            _ => None,
-        }
-    }
+    kept_tables!(SlidingLog, Timed<Self>);
 }
 
 impl Shard {
