@@ -525,7 +525,9 @@ struct Shared {
 ///   lifetime of a pending refund); later, the units stay consumed.
 /// - **Stacked checks** stay all or nothing: the checks of a `check_all` that a lease covers
 ///   are taken locally first, the others go to Redis in one call (taking leases there too),
-///   and if Redis refuses, the local units are put back into their leases. Such a mixed stack
+///   and if Redis refuses, the local units are put back into their leases (if a lease expired
+///   and went back meanwhile, they are dropped, counted in [`LeaseStats::units_dropped`]: an
+///   under-admission). Such a mixed stack
 ///   is admitted when Redis answers, up to one round trip after its leased part was taken:
 ///   for buckets the bound above becomes `B + r·(T + L + RTT)` for those stacks, and a
 ///   window's leased unit can admit a request whose other checks Redis decided just after
