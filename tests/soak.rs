@@ -29,7 +29,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tollgate::key::Header;
 use tollgate::limiter::Rule;
-use tollgate::store::redis::RedisStore;
+use tollgate::store::redis::{RedisStore, RedisStoreBuilder};
 use tollgate::store::resilient::BreakerStatus;
 use tollgate::store::{FailurePolicy, ResilientStore};
 use tollgate::{Decision, Policy, RateLimitLayer};
@@ -109,13 +109,18 @@ fn soak_seconds(default: u64) -> u64 {
         .max(5)
 }
 
-/// The store every soak uses: `redis` behind `ResilientStore`, fail open.
-fn resilient(redis: RedisStore) -> ResilientStore<RedisStore> {
-    ResilientStore::builder(redis)
+/// What every soak runs: the Redis store of `redis` (timeout `TIMEOUT`) behind
+/// `ResilientStore` (fail open), a server with the layer on it, and the load on that server.
+async fn start(redis: RedisStoreBuilder) -> (ResilientStore<RedisStore>, support::Client, Load) {
+    let redis = redis.timeout(TIMEOUT).connect().await.unwrap();
+    let store = ResilientStore::builder(redis)
         .timeout(TIMEOUT)
         .failure_policy(FailurePolicy::Open)
         .breaker(3, Duration::from_millis(500))
-        .build()
+        .build();
+    let client = server_with(&store).await;
+    let load = Load::start(&client, &store);
+    (store, client, load)
 }
 
 /// A server with the layer on `store` (per-user, `LIMIT` a second) whose handler reports
@@ -329,15 +334,8 @@ async fn a_server_under_load_survives_redis_killed_frozen_and_slowed() {
     let phase_len = Duration::from_secs(soak_seconds(12)) / 5;
     let delay_ms = Arc::new(AtomicU64::new(0));
     let port = proxy(server.port, delay_ms.clone()).await;
-    let redis = RedisStore::builder()
-        .url(format!("redis://127.0.0.1:{port}"))
-        .timeout(TIMEOUT)
-        .connect()
-        .await
-        .unwrap();
-    let store = resilient(redis);
-    let client = server_with(&store).await;
-    let load = Load::start(&client, &store);
+    let (store, client, load) =
+        start(RedisStore::builder().url(format!("redis://127.0.0.1:{port}"))).await;
     let mut ended = Vec::new();
     // 0: calm.
     tokio::time::sleep(phase_len).await;
@@ -378,15 +376,7 @@ async fn a_server_under_load_survives_a_cluster_master_killed() {
         return;
     };
     let phase_len = Duration::from_secs(soak_seconds(9)) / 3;
-    let redis = RedisStore::builder()
-        .cluster(cluster.nodes())
-        .timeout(TIMEOUT)
-        .connect()
-        .await
-        .unwrap();
-    let store = resilient(redis);
-    let client = server_with(&store).await;
-    let load = Load::start(&client, &store);
+    let (store, client, load) = start(RedisStore::builder().cluster(cluster.nodes())).await;
     let mut ended = Vec::new();
     tokio::time::sleep(phase_len).await;
     load.phase(1);
