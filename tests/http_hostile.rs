@@ -18,29 +18,28 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use http::{HeaderName, HeaderValue, Request, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, StatusCode};
 use http_body_util::BodyExt;
-use support::{Client, ok_app, serve, store};
-use tollgate::clock::ManualClock;
+use support::{Client, ok_app, serve, sf_list, store};
 use tollgate::key::{Forwarded, Header, KeyExtractor, MAX_KEY_LEN, PeerIp};
 use tollgate::limiter::{MissingKey, Rule, Tiers};
 use tollgate::store::BoxError;
-use tollgate::{Check, Decision, MemoryStore, Policy, RateLimitLayer, Store, StoreError};
+use tollgate::{Check, Policy, RateLimitLayer, Store};
 use tower::ServiceExt;
 
 const MINUTE: Duration = Duration::from_secs(60);
 
-/// The in-process store, remembering the longest key it was asked about.
+/// A store that remembers the longest key it was asked about.
 #[derive(Clone)]
-struct Recording {
-    inner: MemoryStore<ManualClock>,
+struct Recording<S> {
+    inner: S,
     longest: Arc<AtomicUsize>,
 }
 
-impl Recording {
-    fn new() -> Self {
+impl<S: Store> Recording<S> {
+    fn new(inner: S) -> Self {
         Self {
-            inner: store().0,
+            inner,
             longest: Arc::default(),
         }
     }
@@ -50,14 +49,18 @@ impl Recording {
     }
 }
 
-impl Store for Recording {
-    type Future = std::future::Ready<Result<Decision, StoreError>>;
+impl<S: Store> Store for Recording<S> {
+    type Future = S::Future;
 
     fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
         for c in checks {
             self.longest.fetch_max(c.key().len(), Ordering::SeqCst);
         }
-        std::future::ready(self.inner.check_all_now(checks))
+        self.inner.check_all(checks)
+    }
+
+    fn max_key_len(&self) -> Option<usize> {
+        self.inner.max_key_len()
     }
 }
 
@@ -76,6 +79,16 @@ fn app<St: Store>(store: St, key: impl KeyExtractor, limit: u64) -> Router {
 
 /// Sends `GET /` from `peer` with these headers (each one a field line of its own).
 async fn send(app: &Router, peer: &str, headers: &[(&str, HeaderValue)]) -> (StatusCode, String) {
+    let (status, _, body) = send_full(app, peer, headers).await;
+    (status, body)
+}
+
+/// [`send`], with the response's headers.
+async fn send_full(
+    app: &Router,
+    peer: &str,
+    headers: &[(&str, HeaderValue)],
+) -> (StatusCode, HeaderMap, String) {
     let mut request = Request::get("/");
     for (name, value) in headers {
         request = request.header(
@@ -88,9 +101,25 @@ async fn send(app: &Router, peer: &str, headers: &[(&str, HeaderValue)]) -> (Sta
         .extensions_mut()
         .insert(peer.parse::<SocketAddr>().unwrap());
     let response = app.clone().oneshot(request).await.unwrap();
-    let status = response.status();
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    (status, String::from_utf8_lossy(&body).into_owned())
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+/// The `r` (remaining) parameter of the response's `RateLimit` field.
+fn remaining(headers: &HeaderMap) -> i64 {
+    let field = headers
+        .get("ratelimit")
+        .expect("RateLimit")
+        .to_str()
+        .unwrap();
+    let list = sf_list(field);
+    assert_eq!(list.len(), 1, "{field}");
+    list[0].1["r"]
 }
 
 fn value(text: &str) -> HeaderValue {
@@ -112,7 +141,13 @@ async fn admitted(app: &Router, n: usize, peer: &str, headers: &[(&str, HeaderVa
 
 #[tokio::test]
 async fn api_keys_of_a_megabyte_or_not_utf8_are_hashed_or_escaped_and_limited_like_any_other() {
-    let store = Recording::new();
+    hostile_api_keys(store().0).await;
+}
+
+/// The API keys of a megabyte, of bytes that are not UTF-8, and empty, through a rule of 3 a
+/// minute keyed by `x-api-key` on `store`.
+async fn hostile_api_keys<St: Store + Clone>(store: St) {
+    let store = Recording::new(store);
     let app = app(store.clone(), Header::from_static("x-api-key"), 3);
     let good = [("x-api-key", value("good-key"))];
     assert_eq!(admitted(&app, 1, "192.0.2.1:1", &good).await, 1);
@@ -162,7 +197,13 @@ async fn api_keys_of_a_megabyte_or_not_utf8_are_hashed_or_escaped_and_limited_li
 
 #[tokio::test]
 async fn ten_thousand_forwarding_hops_cost_a_bounded_walk_and_give_one_stable_key() {
-    let store = Recording::new();
+    forwarding_hops(store().0, store().0).await;
+}
+
+/// 10,000 forwarding hops through a rule of 2 a minute keyed by the client behind 10.0.0.0/8,
+/// on `store`; the RFC 7239 header through the same rule on `rfc7239` (state of its own).
+async fn forwarding_hops<St: Store + Clone>(store: St, rfc7239: St) {
+    let store = Recording::new(store);
     let trusted = || Forwarded::trusting(["10.0.0.0/8"]).unwrap();
     let app = app(store.clone(), trusted(), 2);
     let proxy = "10.0.0.1:1";
@@ -211,7 +252,7 @@ async fn ten_thousand_forwarding_hops_cost_a_bounded_walk_and_give_one_stable_ke
     assert!(store.longest() <= MAX_KEY_LEN);
 
     // The RFC 7239 header: 10,000 elements and an unterminated quote.
-    let app7239 = app_rfc7239();
+    let app7239 = app_rfc7239(rfc7239);
     let forwarded = |v: &str| [("forwarded", value(v))];
     let elements: Vec<String> = (0..10_000)
         .map(|i| format!("for=198.51.{}.{}", i / 256 % 256, i % 256))
@@ -230,14 +271,20 @@ async fn ten_thousand_forwarding_hops_cost_a_bounded_walk_and_give_one_stable_ke
     assert_eq!(admitted(&app, 3, proxy, &xff("192.0.2.1")).await, 1);
 }
 
-fn app_rfc7239() -> Router {
+fn app_rfc7239<St: Store>(store: St) -> Router {
     let key = Forwarded::trusting(["10.0.0.0/8"]).unwrap().rfc7239();
-    app(store().0, key, 2)
+    app(store, key, 2)
 }
 
 #[tokio::test]
 async fn the_peer_address_ignores_whatever_headers_a_client_sends() {
-    let app = app(store().0, PeerIp::new(), 2);
+    peer_address_ignores_headers(store().0).await;
+}
+
+/// Forwarding headers of 10,000 hops, bad bytes and a megabyte through a rule keyed by the
+/// peer address, on `store`.
+async fn peer_address_ignores_headers<St: Store>(store: St) {
+    let app = app(store, PeerIp::new(), 2);
     let hostile = [
         ("x-forwarded-for", value(&"203.0.113.9, ".repeat(10_000))),
         ("forwarded", HeaderValue::from_bytes(b"for=\xff\"").unwrap()),
@@ -249,6 +296,12 @@ async fn the_peer_address_ignores_whatever_headers_a_client_sends() {
 
 #[tokio::test]
 async fn costs_of_zero_and_u64_max_are_bounded() {
+    costs_of_zero_and_max(store().0).await;
+}
+
+/// Costs of 0 and `u64::MAX` through a rule of 5 a minute keyed by the peer address, on
+/// `store`.
+async fn costs_of_zero_and_max<St: Store>(store: St) {
     // The cost comes from a header the client chooses (a bad idea, but possible): the cost
     // closure returns 0, u64::MAX, or 1.
     let cost = |parts: &http::request::Parts| match parts.headers.get("x-cost") {
@@ -256,7 +309,7 @@ async fn costs_of_zero_and_u64_max_are_bounded() {
         Some(v) if v == "max" => u64::MAX,
         _ => 1,
     };
-    let layer = RateLimitLayer::builder(store().0)
+    let layer = RateLimitLayer::builder(store)
         .rule(
             Rule::new("r")
                 .key(PeerIp::new())
@@ -269,9 +322,11 @@ async fn costs_of_zero_and_u64_max_are_bounded() {
     let zero = [("x-cost", value("0"))];
     let max = [("x-cost", value("max"))];
 
-    // Cost 0 is admitted and consumes nothing.
+    // Cost 0 is admitted and consumes nothing: the next request of cost 1 leaves 4.
     assert_eq!(admitted(&app, 100, "192.0.2.1:1", &zero).await, 100);
-    assert_eq!(admitted(&app, 6, "192.0.2.1:1", &[]).await, 5);
+    let (status, headers, _) = send_full(&app, "192.0.2.1:1", &[]).await;
+    assert_eq!((status, remaining(&headers)), (StatusCode::OK, 4));
+    assert_eq!(admitted(&app, 5, "192.0.2.1:1", &[]).await, 4);
     // On a spent quota, cost 0 still fits (0 more than the limit is not over it).
     let (status, _) = send(&app, "192.0.2.1:1", &zero).await;
     assert_eq!(status, StatusCode::OK);
@@ -283,8 +338,11 @@ async fn costs_of_zero_and_u64_max_are_bounded() {
     assert_eq!(admitted(&app, 1, "192.0.2.3:1", &[]).await, 1);
     let (status, body) = send(&app, "192.0.2.3:1", &max).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
-    // The refused u64::MAX took nothing: four of 192.0.2.3's five are left.
-    assert_eq!(admitted(&app, 5, "192.0.2.3:1", &[]).await, 4);
+    // The refused u64::MAX took nothing: four of 192.0.2.3's five are left, and the next
+    // request says 3 remain.
+    let (status, headers, _) = send_full(&app, "192.0.2.3:1", &[]).await;
+    assert_eq!((status, remaining(&headers)), (StatusCode::OK, 3));
+    assert_eq!(admitted(&app, 4, "192.0.2.3:1", &[]).await, 3);
 }
 
 /// A tiered rule keyed by `x-api-key`: "free" allows 2 a minute (the default), "pro" 5.
@@ -435,9 +493,9 @@ async fn a_plain_option_resolver_still_works_and_none_is_remembered() {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
-/// The good clients' admitted counts, with or without a flood of hostile requests between
-/// their requests.
-async fn good_clients_admitted(flood: bool) -> [usize; 3] {
+/// The good clients' admitted counts on `store`, with or without a flood of hostile requests
+/// between their requests.
+async fn good_clients_admitted<St: Store>(store: St, flood: bool) -> [usize; 3] {
     let calls = Arc::new(AtomicUsize::new(0));
     let tiers = Tiers::new(resolver(calls)).timeout(Duration::from_millis(100));
     let tiers = tiers
@@ -456,7 +514,7 @@ async fn good_clients_admitted(flood: bool) -> [usize; 3] {
                 .unwrap()],
         )
         .default_tier("free");
-    let layer = RateLimitLayer::builder(store().0)
+    let layer = RateLimitLayer::builder(store)
         .rule(
             Rule::new("per-ip")
                 .key(Forwarded::trusting(["10.0.0.0/8"]).unwrap())
@@ -535,19 +593,24 @@ async fn good_clients_admitted(flood: bool) -> [usize; 3] {
 
 #[tokio::test(start_paused = true)]
 async fn a_flood_of_hostile_requests_changes_nothing_a_well_behaved_client_gets() {
-    let calm = good_clients_admitted(false).await;
+    let calm = good_clients_admitted(store().0, false).await;
     // pro: its tier's 7; free: its tier's 3; no API key: its address's 10.
     assert_eq!(calm, [7, 3, 10]);
     // 3,000 hostile requests between theirs (resolvers that time out, panic or fail, keys of
     // a megabyte or not UTF-8, 10,000 hops, new pro clients): exactly the same.
-    assert_eq!(good_clients_admitted(true).await, calm);
+    assert_eq!(good_clients_admitted(store().0, true).await, calm);
 }
 
 #[tokio::test]
 async fn over_loopback_a_header_flood_is_answered_and_the_neighbours_keep_their_quota() {
+    header_flood_over_loopback(store().0).await;
+}
+
+/// 10,000 hops over loopback, through a real server, on `store`.
+async fn header_flood_over_loopback<St: Store>(store: St) {
     // The loopback address plays the trusted proxy.
     let key = Forwarded::trusting(["127.0.0.0/8"]).unwrap();
-    let client = Client::new(serve(app(store().0, key, 2)).await);
+    let client = Client::new(serve(app(store, key, 2)).await);
     let hops: Vec<String> = (0..10_000)
         .map(|i| format!("198.51.{}.{}", i / 256 % 256, i % 256))
         .collect();
@@ -564,4 +627,196 @@ async fn over_loopback_a_header_flood_is_answered_and_the_neighbours_keep_their_
         .get_with("/", &[("x-forwarded-for", "192.0.2.1")])
         .await;
     assert_eq!(neighbour.status, StatusCode::OK);
+}
+
+/// The same hostile requests on the Redis store, behind a `ResilientStore` as a production
+/// service runs it; then the keyspace, to see what the requests wrote to Redis.
+#[cfg(feature = "redis")]
+mod on_redis {
+    use super::*;
+    use support::RedisServer;
+    use tollgate::RedisStore;
+    use tollgate::clock::ManualClock;
+    use tollgate::store::{FailurePolicy, ResilientStore};
+
+    /// Generous: these tests are about answers and keys, not speed, and CI machines stall.
+    const SLOW_MACHINE: Duration = Duration::from_secs(5);
+
+    /// The longest key name the store writes for any key: the prefix, `{` a 16-digit tag `}:`,
+    /// the algorithm, `:` a 16-digit fingerprint `:`, and at most 128 bytes of escaped key (a
+    /// longer one is `#` and a SHA-256 of 64 digits).
+    fn longest_name(prefix: &str) -> usize {
+        prefix.len() + 19 + 4 + 18 + 128
+    }
+
+    /// The Redis store on `server` under `prefix`, behind a `ResilientStore` that fails open
+    /// (as the soak runs it). The scripts read the time from a clock that never moves, so a
+    /// minute's window cannot end in the middle of a test.
+    async fn resilient(server: &RedisServer, prefix: &str) -> ResilientStore<RedisStore> {
+        let redis = RedisStore::builder()
+            .url(server.url())
+            .prefix(prefix)
+            .injected_clock(ManualClock::new())
+            .timeout(SLOW_MACHINE)
+            .connect()
+            .await
+            .unwrap();
+        ResilientStore::builder(redis)
+            .timeout(SLOW_MACHINE)
+            .failure_policy(FailurePolicy::Open)
+            .build()
+    }
+
+    /// Every call reached Redis and was answered by it: no failure, no open breaker, nothing
+    /// admitted by the failure policy.
+    fn assert_redis_answered_every_call(store: &ResilientStore<RedisStore>) {
+        let stats = store.stats();
+        assert_eq!(
+            (
+                stats.failures,
+                stats.short_circuited,
+                stats.failed_open,
+                stats.breaker_opened
+            ),
+            (0, 0, 0, 0),
+            "{stats:?}"
+        );
+    }
+
+    /// Every key on `server` with its PTTL, read by one script (`support::keys_with_ttl` runs
+    /// `redis-cli` once a key, and the flood writes thousands). A name holding a line break
+    /// would misalign the reply, and fail the parse.
+    fn keys_with_ttl(server: &RedisServer) -> Vec<(String, i64)> {
+        let script = "local out = {} \
+            for _, k in ipairs(redis.call('KEYS', '*')) do \
+                out[#out + 1] = k; out[#out + 1] = redis.call('PTTL', k) \
+            end \
+            return out";
+        let reply = server.cli(&["EVAL", script, "0"]);
+        let lines: Vec<&str> = reply.lines().filter(|l| !l.is_empty()).collect();
+        assert_eq!(lines.len() % 2, 0, "{reply}");
+        lines
+            .chunks(2)
+            .map(|pair| {
+                let ttl = pair[1].parse().unwrap_or_else(|_| panic!("{pair:?}"));
+                (pair[0].to_owned(), ttl)
+            })
+            .collect()
+    }
+
+    /// Every key name on `server`, after checking that each is under one of `prefixes`,
+    /// bounded in length, printable ASCII whose only braces are our hash tag, and expires.
+    fn written_keys(server: &RedisServer, prefixes: &[&str]) -> Vec<String> {
+        let keys = keys_with_ttl(server);
+        for (name, ttl) in &keys {
+            let Some(ours) = prefixes
+                .iter()
+                .find(|p| name.starts_with(&format!("{p}{{")))
+            else {
+                panic!("{name:?} is outside the prefixes {prefixes:?}");
+            };
+            assert!(
+                name.len() <= longest_name(ours),
+                "{} bytes: {name}",
+                name.len()
+            );
+            assert!(name.bytes().all(|b| (0x21..=0x7e).contains(&b)), "{name:?}");
+            assert_eq!(name.matches('{').count(), 1, "{name}");
+            assert_eq!(name.matches('}').count(), 1, "{name}");
+            assert!(*ttl > 0, "{name} has no expiry ({ttl})");
+        }
+        keys.into_iter().map(|(name, _)| name).collect()
+    }
+
+    /// How many of `keys` are under `prefix`.
+    fn under(keys: &[String], prefix: &str) -> usize {
+        keys.iter().filter(|k| k.starts_with(prefix)).count()
+    }
+
+    #[tokio::test]
+    async fn api_keys_of_a_megabyte_or_not_utf8_are_answered_limited_and_stored_bounded() {
+        let server = redis_or_skip!();
+        let store = resilient(&server, "hostile:").await;
+        hostile_api_keys(store.clone()).await;
+
+        // A key just short of MAX_KEY_LEN whose every byte the store escapes: the limiter
+        // passes it as it is, and the store, not the limiter, must keep its name bounded.
+        let braces = "{}".repeat(75);
+        let app = app(store.clone(), Header::from_static("x-api-key"), 3);
+        assert_eq!(
+            admitted(&app, 4, "192.0.2.5:1", &[("x-api-key", value(&braces))]).await,
+            3
+        );
+
+        assert_redis_answered_every_call(&store);
+        // One key each: the good key, the two megabytes, the binary megabyte, the Latin-1
+        // key, the text of its escape and the braces. The empty key wrote nothing.
+        let keys = written_keys(&server, &["hostile:"]);
+        assert_eq!(keys.len(), 7, "{keys:#?}");
+    }
+
+    #[tokio::test]
+    async fn ten_thousand_forwarding_hops_give_one_stable_key_each() {
+        let server = redis_or_skip!();
+        let xff = resilient(&server, "xff:").await;
+        let rfc7239 = resilient(&server, "rfc7239:").await;
+        forwarding_hops(xff.clone(), rfc7239.clone()).await;
+        assert_redis_answered_every_call(&xff);
+        assert_redis_answered_every_call(&rfc7239);
+
+        let keys = written_keys(&server, &["xff:", "rfc7239:"]);
+        // One key per client the walk found, however many hops it was sent: the good client,
+        // the 10,000th hop, the 32nd trusted hop from the right, and the two proxies whose
+        // headers were garbage.
+        assert_eq!(under(&keys, "xff:"), 5, "{keys:#?}");
+        // The 10,000th element, and the proxy for the unterminated quote.
+        assert_eq!(under(&keys, "rfc7239:"), 2, "{keys:#?}");
+    }
+
+    #[tokio::test]
+    async fn the_peer_address_ignores_whatever_headers_a_client_sends() {
+        let server = redis_or_skip!();
+        let store = resilient(&server, "peer:").await;
+        peer_address_ignores_headers(store.clone()).await;
+        assert_redis_answered_every_call(&store);
+        assert_eq!(written_keys(&server, &["peer:"]).len(), 2);
+    }
+
+    #[tokio::test]
+    async fn costs_of_zero_and_u64_max_are_bounded_and_corrupt_nothing() {
+        let server = redis_or_skip!();
+        let store = resilient(&server, "cost:").await;
+        costs_of_zero_and_max(store.clone()).await;
+        assert_redis_answered_every_call(&store);
+        assert_eq!(written_keys(&server, &["cost:"]).len(), 3);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_flood_of_hostile_requests_changes_nothing_a_well_behaved_client_gets() {
+        let server = redis_or_skip!();
+        let calm_store = resilient(&server, "calm:").await;
+        let calm = good_clients_admitted(calm_store.clone(), false).await;
+        assert_eq!(calm, [7, 3, 10]);
+        let flood_store = resilient(&server, "flood:").await;
+        assert_eq!(good_clients_admitted(flood_store.clone(), true).await, calm);
+        // Redis answered every one of the 3,000 hostile requests and the good ones, and kept
+        // every key bounded and expiring.
+        assert_redis_answered_every_call(&calm_store);
+        assert_redis_answered_every_call(&flood_store);
+        let keys = written_keys(&server, &["calm:", "flood:"]);
+        // Calm: the three addresses and the two API keys. Flooded: those 5, and at most one
+        // key per rule for each of the 3,000 hostile requests (the 375 that send the same
+        // megabyte key share one).
+        assert_eq!(under(&keys, "calm:"), 5, "{keys:#?}");
+        assert!(under(&keys, "flood:") <= 2 * 3_000 + 5, "{}", keys.len());
+    }
+
+    #[tokio::test]
+    async fn over_loopback_a_header_flood_is_answered_and_the_neighbours_keep_their_quota() {
+        let server = redis_or_skip!();
+        let store = resilient(&server, "loopback:").await;
+        header_flood_over_loopback(store.clone()).await;
+        assert_redis_answered_every_call(&store);
+        assert_eq!(written_keys(&server, &["loopback:"]).len(), 2);
+    }
 }
