@@ -291,6 +291,8 @@ async fn peer_address_ignores_headers<St: Store>(store: St) {
         ("x-real-ip", value(&"9".repeat(1 << 20))),
     ];
     assert_eq!(admitted(&app, 3, "192.0.2.7:1", &hostile).await, 2);
+    // The headers were not its key: without them, 192.0.2.7 has nothing left.
+    assert_eq!(admitted(&app, 1, "192.0.2.7:1", &[]).await, 0);
     assert_eq!(admitted(&app, 3, "192.0.2.8:1", &[]).await, 2);
 }
 
@@ -327,9 +329,15 @@ async fn costs_of_zero_and_max<St: Store>(store: St) {
     let (status, headers, _) = send_full(&app, "192.0.2.1:1", &[]).await;
     assert_eq!((status, remaining(&headers)), (StatusCode::OK, 4));
     assert_eq!(admitted(&app, 5, "192.0.2.1:1", &[]).await, 4);
-    // On a spent quota, cost 0 still fits (0 more than the limit is not over it).
+    // On a spent quota, cost 0 still fits (0 more than the limit is not over it), and
+    // changes nothing: the next request of cost 1 is refused, nothing remaining.
     let (status, _) = send(&app, "192.0.2.1:1", &zero).await;
     assert_eq!(status, StatusCode::OK);
+    let (status, headers, _) = send_full(&app, "192.0.2.1:1", &[]).await;
+    assert_eq!(
+        (status, remaining(&headers)),
+        (StatusCode::TOO_MANY_REQUESTS, 0)
+    );
 
     // u64::MAX counts as the policy's whole limit: admitted on a fresh quota, taking all of
     // it; refused with a finite Retry-After on a quota already touched. No overflow.
@@ -623,6 +631,11 @@ async fn header_flood_over_loopback<St: Store>(store: St) {
         let answer = client.get_with("/", &[("x-forwarded-for", &line)]).await;
         assert_eq!(answer.status, expected);
     }
+    // They were counted against the hop next to the proxy, the 10,000th.
+    let last_hop = client
+        .get_with("/", &[("x-forwarded-for", "198.51.39.15")])
+        .await;
+    assert_eq!(last_hop.status, StatusCode::TOO_MANY_REQUESTS);
     let neighbour = client
         .get_with("/", &[("x-forwarded-for", "192.0.2.1")])
         .await;
@@ -748,11 +761,18 @@ mod on_redis {
             3
         );
 
+        // A short key that spells a hash tag: escaped, so that the only braces of its name
+        // are the store's own (a client cannot pick the Cluster slot).
+        assert_eq!(
+            admitted(&app, 4, "192.0.2.6:1", &[("x-api-key", value("{slot}"))]).await,
+            3
+        );
+
         assert_redis_answered_every_call(&store);
         // One key each: the good key, the two megabytes, the binary megabyte, the Latin-1
-        // key, the text of its escape and the braces. The empty key wrote nothing.
+        // key, the text of its escape, the braces and the tag. The empty key wrote nothing.
         let keys = written_keys(&server, &["hostile:"]);
-        assert_eq!(keys.len(), 7, "{keys:#?}");
+        assert_eq!(keys.len(), 8, "{keys:#?}");
     }
 
     #[tokio::test]
