@@ -644,6 +644,10 @@ async fn header_flood_over_loopback<St: Store>(store: St) {
 
 /// The same hostile requests on the Redis store, behind a `ResilientStore` as a production
 /// service runs it; then the keyspace, to see what the requests wrote to Redis.
+///
+/// These run on tokio's real clock: paused, it would jump ahead while a call waits on Redis
+/// and fire the call's timeout. No decision depends on the machine's speed (the scripts read
+/// a clock that never moves); only the flood's hanging tier resolvers wait out their 100 ms.
 #[cfg(feature = "redis")]
 mod on_redis {
     use super::*;
