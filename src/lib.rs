@@ -69,6 +69,7 @@ mod policy;
 pub mod shape;
 pub mod shed;
 pub mod store;
+mod sync;
 pub mod telemetry;
 
 pub use self::http::RateLimitLayer;

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -22,6 +22,7 @@ use crate::key::{Key, MAX_KEY_LEN};
 use crate::limiter::{Matcher, Rule, TierLookup, Tiers, valid_name};
 #[cfg(feature = "redis")]
 use crate::store::FailurePolicy;
+use crate::sync::{AtomicU32, AtomicU64, AtomicUsize};
 use crate::telemetry::{Counter, Gauge, Histogram};
 
 /// The default name of a [`ConcurrencyLimitLayer`] in metrics and logs.
@@ -1002,22 +1003,19 @@ impl Shared {
         refusal: &mut Refusal,
     ) -> Option<Permit> {
         let deadline = tokio::time::Instant::now() + queue.max_wait;
-        loop {
-            let on = match *refusal {
-                Refusal::Busy { rule } => places.iter().find(|p| p.rule == rule).map(|p| p.hash),
-                _ => None,
-            };
-            let (freed, _waiting) = self.in_flight.waiting(on);
-            let mut notified = std::pin::pin!(freed.notified());
-            notified.as_mut().enable();
-            match self.take(places) {
-                Ok(permit) => return Some(permit),
-                Err(again) => *refusal = again,
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return None;
-            }
-        }
+        let on = |places: &Places, refusal: &Refusal| match *refusal {
+            Refusal::Busy { rule } => places.iter().find(|p| p.rule == rule).map(|p| p.hash),
+            _ => None,
+        };
+        self.in_flight
+            .wait_for(
+                places,
+                refusal,
+                on,
+                |places| self.take(places),
+                Some(deadline),
+            )
+            .await
     }
 
     /// The answer to a refused request.

@@ -2,13 +2,13 @@
 //! follows the requests in flight, not the keys ever seen.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use hashbrown::HashTable;
-use parking_lot::Mutex;
 use tokio::sync::Notify;
 
 use crate::key::Key;
+use crate::sync::{AtomicUsize, Mutex};
 
 /// Shards of the table: enough that cores rarely meet on one lock.
 const SHARDS: usize = 32;
@@ -26,14 +26,14 @@ struct Entry {
 
 pub(crate) struct InFlight {
     shards: Box<[Shard]>,
-    hasher: foldhash::fast::RandomState,
+    hasher: crate::sync::HashState,
     /// Keys with requests in flight, over all shards.
     entries: AtomicUsize,
     /// One per shard: woken when a place of one of its keys is given back, while anyone waits.
     wakers: Box<[Notify]>,
     /// Woken when a place under the total cap is given back ([`InFlight::total_released`]).
     total_waker: Notify,
-    /// Requests waiting for a place (see [`InFlight::waiting`]).
+    /// Requests waiting for a place (see [`InFlight::wait_for`]).
     waiters: AtomicUsize,
 }
 
@@ -41,7 +41,7 @@ impl InFlight {
     pub(crate) fn new() -> Self {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
-            hasher: foldhash::fast::RandomState::default(),
+            hasher: crate::sync::HashState::default(),
             entries: AtomicUsize::new(0),
             wakers: (0..SHARDS).map(|_| Notify::new()).collect(),
             total_waker: Notify::new(),
@@ -62,18 +62,44 @@ impl InFlight {
         &self.shards[self.shard_index(hash)]
     }
 
-    /// What wakes a request waiting for a place of the key hashed to `hash` (or, for `None`,
-    /// under the total cap): it is counted among the waiters (so releases wake) until the
-    /// returned guard is dropped. Register the [`Notify::notified`] future (`enable` it)
-    /// before trying to take the place again, so that no release between the try and the wait
-    /// is missed.
-    pub(crate) fn waiting(&self, hash: Option<u64>) -> (&Notify, Waiting<'_>) {
-        self.waiters.fetch_add(1, Ordering::SeqCst);
-        let notify = match hash {
-            Some(hash) => &self.wakers[self.shard_index(hash)],
-            None => &self.total_waker,
-        };
-        (notify, Waiting(&self.waiters))
+    /// Takes places with `take`, waiting while it refuses: each refusal is kept in `refusal`,
+    /// and the request waits until a place is given back, of the key whose hash `on` gives
+    /// for the refusal (`None`: a place under the total cap), then tries again; `None` once
+    /// `deadline` has passed (no deadline: it waits as long as it takes).
+    ///
+    /// Each try comes after the request counted itself among the waiters and registered its
+    /// wake-up, so that a place given back between a failed try and the wait still wakes it
+    /// (checked for every interleaving by the model checks below).
+    pub(crate) async fn wait_for<S, T, E>(
+        &self,
+        state: &mut S,
+        refusal: &mut E,
+        on: impl Fn(&S, &E) -> Option<u64>,
+        mut take: impl FnMut(&mut S) -> Result<T, E>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Option<T> {
+        loop {
+            self.waiters.fetch_add(1, Ordering::SeqCst);
+            let _waiting = Waiting(&self.waiters);
+            let freed = match on(state, refusal) {
+                Some(hash) => &self.wakers[self.shard_index(hash)],
+                None => &self.total_waker,
+            };
+            let mut notified = std::pin::pin!(freed.notified());
+            notified.as_mut().enable();
+            match take(state) {
+                Ok(taken) => return Some(taken),
+                Err(again) => *refusal = again,
+            }
+            match deadline {
+                Some(deadline) => {
+                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                        return None;
+                    }
+                }
+                None => notified.await,
+            }
+        }
     }
 
     /// A place under the total cap was given back: wakes those waiting for one.
@@ -184,7 +210,7 @@ impl InFlight {
 }
 
 /// A request counted among the waiters of an [`InFlight`]; dropping it stops counting it.
-pub(crate) struct Waiting<'a>(&'a AtomicUsize);
+struct Waiting<'a>(&'a AtomicUsize);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
@@ -243,5 +269,94 @@ mod tests {
         assert_eq!(t.keys(), 0);
         assert!(!t.enter_queue(h, &key, 0));
         assert_eq!(t.keys(), 0);
+    }
+}
+
+/// Model checks (`bash scripts/model-check`, under `--cfg tollgate_shuttle`): shuttle runs the
+/// threads below in every interleaving of the table's locks and atomics (depth first); a
+/// wake-up lost in one of them leaves a waiter blocked for ever, which shuttle reports as a
+/// deadlock.
+#[cfg(all(test, tollgate_shuttle))]
+mod model_checks {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// Waits for a place of `key` (at most `max` in flight), as the concurrency layer's queue
+    /// does, and gives it back.
+    fn wait_take_release(t: &InFlight, key: &Key, max: u32) {
+        let hash = t.hash(key.as_str());
+        let taken = shuttle::future::block_on(t.wait_for(
+            &mut (),
+            &mut (),
+            |_, _| Some(hash),
+            |_| t.acquire(hash, key, max).then_some(()).ok_or(()),
+            None,
+        ));
+        assert!(
+            taken.is_some(),
+            "no deadline: it waits until it has a place"
+        );
+        t.release(hash, key);
+    }
+
+    /// The holder of the only place gives it back while `waiters` others try, register or
+    /// wait for it; each gets it in turn.
+    fn hand_over(waiters: usize) {
+        let t = Arc::new(InFlight::new());
+        let key = Key::from("k");
+        let hash = t.hash(key.as_str());
+        assert!(t.acquire(hash, &key, 1));
+        let threads: Vec<_> = (0..waiters)
+            .map(|_| {
+                let (t, key) = (Arc::clone(&t), key.clone());
+                shuttle::thread::spawn(move || wait_take_release(&t, &key, 1))
+            })
+            .collect();
+        t.release(hash, &key);
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        assert_eq!((t.count("k"), t.keys(), t.total()), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_waiter_is_woken_by_the_place_given_back() {
+        shuttle::check_pct(|| hand_over(1), crate::sync::pct_runs(), 3);
+    }
+
+    #[test]
+    fn waiters_are_woken_by_every_place_given_back() {
+        shuttle::check_pct(|| hand_over(3), crate::sync::pct_runs(), 3);
+    }
+
+    #[test]
+    fn counts_return_to_zero_and_never_pass_the_limit() {
+        shuttle::check_pct(
+            || {
+                let t = Arc::new(InFlight::new());
+                let peak = Arc::new(crate::sync::AtomicU32::new(0));
+                let threads: Vec<_> = (0..3)
+                    .map(|_| {
+                        let (t, peak) = (Arc::clone(&t), Arc::clone(&peak));
+                        shuttle::thread::spawn(move || {
+                            let key = Key::from("k");
+                            let hash = t.hash(key.as_str());
+                            if t.acquire(hash, &key, 2) {
+                                peak.fetch_max(t.count("k"), Ordering::SeqCst);
+                                t.release(hash, &key);
+                            }
+                        })
+                    })
+                    .collect();
+                for thread in threads {
+                    thread.join().unwrap();
+                }
+                assert!(peak.load(Ordering::SeqCst) <= 2);
+                assert_eq!((t.count("k"), t.keys(), t.total()), (0, 0, 0));
+            },
+            crate::sync::pct_runs(),
+            3,
+        );
     }
 }

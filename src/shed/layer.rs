@@ -3,13 +3,12 @@
 use std::fmt;
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderName, Response, StatusCode};
-use parking_lot::Mutex;
 use tower_layer::Layer;
 
 use super::classify::{Classifier, Criticality};
@@ -21,6 +20,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::concurrency::table::InFlight;
 use crate::inflight::{Admitted, Answer, Held};
 use crate::key::{Key, KeyExtractor};
+use crate::sync::{AtomicU32, AtomicU64, Mutex};
 use crate::telemetry::{Counter, Gauge, Histogram};
 
 /// The default least `Retry-After` of a shed request.
@@ -905,5 +905,168 @@ impl Shared {
                 error: None,
             },
         )
+    }
+}
+
+/// Model checks (`bash scripts/model-check`, under `--cfg tollgate_shuttle`): shuttle runs the
+/// threads below in every interleaving of the shedder's locks and atomics (depth first). A
+/// request left waiting in the queue while a place is free (a place handed to nobody) fails
+/// them, as does any place not given back in the end.
+#[cfg(all(test, tollgate_shuttle))]
+mod model_checks {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::inflight::Pending;
+
+    fn layer(limit: Limit) -> Arc<Shared> {
+        let clock = ManualClock::new();
+        clock.advance(Duration::from_secs(1));
+        // Every request is `critical`; at a share of 1 its class may use the whole limit.
+        let layer = LoadShedLayer::builder(limit)
+            .share(Criticality::Critical, 1.0)
+            .queue(4, Duration::from_secs(60))
+            .clock(clock)
+            .build()
+            .unwrap();
+        layer.shared
+    }
+
+    /// Admits a request: served at once (and answered, and gone), or its wait in the queue.
+    fn arrive(shared: &Arc<Shared>) -> Option<Pending> {
+        let parts = http::Request::new(()).into_parts().0;
+        match shared.admit(&parts) {
+            Ok(Admitted::Now(mut held)) => {
+                held.answered(Answer::Served { failed: false });
+                None
+            }
+            Ok(Admitted::Later(wait)) => Some(wait),
+            Err(_) => None,
+        }
+    }
+
+    /// Nobody waits while a place is free: the places in flight are those of the waiters
+    /// served (their places wait in their channels), and the rest wait only if it is full.
+    fn settled(shared: &Shared, waits: &[Pending]) {
+        let queue = shared.queue.as_ref().unwrap();
+        let in_flight = shared.in_flight.load(Ordering::SeqCst);
+        let limit = u64::from(shared.limit.load(Ordering::SeqCst));
+        let limit = shared.threshold(Criticality::Critical, limit);
+        assert_eq!(
+            in_flight as usize,
+            waits.len() - queue.len(),
+            "each place in flight is a waiter's"
+        );
+        assert!(
+            queue.len() == 0 || in_flight >= limit,
+            "{} wait while {in_flight} of {limit} are in flight",
+            queue.len()
+        );
+    }
+
+    fn run(shared: Arc<Shared>, held: Option<Guard>, arrivals: usize) {
+        let threads: Vec<_> = (0..arrivals)
+            .map(|_| {
+                let shared = Arc::clone(&shared);
+                shuttle::thread::spawn(move || arrive(&shared))
+            })
+            .collect();
+        // A request in flight from the start ends while the others arrive.
+        drop(held);
+        let waits: Vec<Pending> = threads
+            .into_iter()
+            .filter_map(|t| t.join().unwrap())
+            .collect();
+        settled(&shared, &waits);
+        // The waiters leave (their clients went away) at once, each on its own thread: a place
+        // handed to one that is leaving goes on to the next, and in the end every place is back.
+        let leaving: Vec<_> = waits
+            .into_iter()
+            .map(|wait| shuttle::thread::spawn(move || drop(wait)))
+            .collect();
+        for thread in leaving {
+            thread.join().unwrap();
+        }
+        let queue = shared.queue.as_ref().unwrap();
+        assert_eq!(
+            (shared.in_flight.load(Ordering::SeqCst), queue.len()),
+            (0, 0)
+        );
+    }
+
+    fn held(shared: &Arc<Shared>) -> Guard {
+        let parts = http::Request::new(()).into_parts().0;
+        match shared.admit(&parts) {
+            Ok(Admitted::Now(Held::Shed(guard))) => guard,
+            _ => panic!("the first request is admitted"),
+        }
+    }
+
+    #[test]
+    fn places_given_back_go_to_the_waiters() {
+        shuttle::check_pct(
+            || {
+                let shared = layer(Limit::fixed(1));
+                let first = held(&shared);
+                run(shared, Some(first), 3);
+            },
+            crate::sync::pct_runs(),
+            3,
+        );
+    }
+
+    #[test]
+    fn a_limit_that_grows_serves_the_waiters() {
+        shuttle::check_pct(
+            || {
+                // AIMD at 1 in flight, its window one sample short of an increase: the request
+                // in flight answers fast (the limit grows to 2) but keeps its place, so only
+                // the new room can serve a waiter.
+                let shared = layer(Limit::aimd(1, Duration::from_micros(1)).bounds(1, 4));
+                {
+                    let mut controller = shared.controller.lock();
+                    for at in 0..9 {
+                        controller.sample(Sample {
+                            at: 1_000 + at,
+                            nanos: 1,
+                            in_flight: 1,
+                            failed: false,
+                        });
+                    }
+                }
+                let mut first = held(&shared);
+                let answering = shuttle::thread::spawn(move || {
+                    first.answered(Answer::Served { failed: false });
+                    first
+                });
+                let threads: Vec<_> = (0..2)
+                    .map(|_| {
+                        let shared = Arc::clone(&shared);
+                        shuttle::thread::spawn(move || arrive(&shared))
+                    })
+                    .collect();
+                let first = answering.join().unwrap();
+                let waits: Vec<Pending> = threads
+                    .into_iter()
+                    .filter_map(|t| t.join().unwrap())
+                    .collect();
+                assert_eq!(shared.limit.load(Ordering::SeqCst), 2, "the window grew it");
+                assert_eq!(shared.controller.lock().limit(), 2);
+                // The first still holds one of the two places.
+                let queue = shared.queue.as_ref().unwrap();
+                let in_flight = shared.in_flight.load(Ordering::SeqCst);
+                assert_eq!(in_flight as usize, 1 + waits.len() - queue.len());
+                assert!(queue.len() == 0 || in_flight >= 2, "a waiter left behind");
+                drop(first);
+                drop(waits);
+                assert_eq!(
+                    (shared.in_flight.load(Ordering::SeqCst), queue.len()),
+                    (0, 0)
+                );
+            },
+            crate::sync::pct_runs(),
+            3,
+        );
     }
 }

@@ -11,13 +11,12 @@ use std::collections::{HashMap, VecDeque};
 use std::future::poll_fn;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::task::Poll;
 use std::time::Duration;
 
 use http::HeaderName;
 use http::request::Parts;
-use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use super::classify::Criticality;
@@ -25,6 +24,7 @@ use super::deadline::parse_timeout;
 use super::layer::{NoPlace, Place, Reason, Shared, Shed};
 use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::Key;
+use crate::sync::{AtomicU64, AtomicUsize, Mutex};
 
 /// How often the queue is served again while the count in flight keeps moving under it,
 /// before giving up until the next place given back.
