@@ -475,7 +475,8 @@ mod tests {
         let dashboard = std::fs::read_to_string(format!("{dir}grafana.json")).unwrap();
         serde_json::from_str::<serde_json::Value>(&dashboard).unwrap();
         let mut used = 0;
-        for text in [&alerts, &dashboard] {
+        let mut on_dashboard = std::collections::BTreeSet::new();
+        for (text, is_dashboard) in [(&alerts, false), (&dashboard, true)] {
             for (at, _) in text.match_indices("tollgate_") {
                 let name: String = text[at..]
                     .chars()
@@ -484,6 +485,9 @@ mod tests {
                 let base = name.strip_suffix("_bucket").unwrap_or(&name);
                 let metric = tollgate::metrics::ALL.iter().find(|m| m.name == base);
                 assert!(metric.is_some(), "{name} is not a documented metric");
+                if is_dashboard {
+                    on_dashboard.insert(base.to_owned());
+                }
                 // The labels grouped by or matched on are the metric's own.
                 let rest = &text[at + name.len()..];
                 if let Some(selector) = rest.strip_prefix('{') {
@@ -500,6 +504,13 @@ mod tests {
             }
         }
         assert!(used > 20);
+        // The dashboard shows every metric tollgate records.
+        let missing: Vec<_> = tollgate::metrics::ALL
+            .iter()
+            .map(|m| m.name)
+            .filter(|name| !on_dashboard.contains(*name))
+            .collect();
+        assert!(missing.is_empty(), "not on the dashboard: {missing:?}");
     }
 
     fn hang_up() {
