@@ -1,5 +1,11 @@
 //! `cargo run --example server -- --config examples/server/tollgate.toml`
 //!
+//! On Redis (the limits shared by several instances): `kind = "redis"` and a `url` in the
+//! file's `[store]` (its comments show how), and tollgate's feature `redis`:
+//! `cargo run --example server --features redis -- --config my-tollgate.toml`. Without the
+//! feature, such a file is refused at start (`store.kind: the Redis store needs tollgate's
+//! feature `redis``).
+//!
 //! A small API protected entirely by a configuration file (`examples/server/tollgate.toml`):
 //! load shedding, rate limits per client address, per API key and plan, per user, and a
 //! concurrency limit on exports. It serves:
@@ -511,6 +517,37 @@ mod tests {
             .filter(|name| !on_dashboard.contains(*name))
             .collect();
         assert!(missing.is_empty(), "not on the dashboard: {missing:?}");
+    }
+
+    /// The Redis store that the shipped file shows in comments, put in place of the memory
+    /// store as the comments say, makes a valid configuration (with feature `redis`).
+    #[cfg(feature = "redis")]
+    #[test]
+    fn the_shipped_file_on_redis_is_valid() {
+        let shipped = include_str!("tollgate.toml");
+        let is_option = |line: &str| {
+            line.split_once(" = ").is_some_and(|(name, _)| {
+                !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+            })
+        };
+        let mut in_store = false;
+        let mut on_redis = String::new();
+        for line in shipped.lines() {
+            if line.starts_with('[') {
+                in_store = line == "[store]";
+            }
+            let line = match line.strip_prefix("# ") {
+                Some(option) if in_store && is_option(option) => option,
+                _ if in_store && is_option(line) => continue, // the memory store's lines
+                _ => line,
+            };
+            on_redis.push_str(line);
+            on_redis.push('\n');
+        }
+        let config = Config::from_toml(&on_redis).unwrap_or_else(|e| panic!("{e}\n{on_redis}"));
+        assert_eq!(config.store.kind, tollgate::config::StoreKind::Redis);
+        assert_eq!(config.store.instances, Some(3));
+        assert_eq!(config.store.deny_cache, Some(10_000));
     }
 
     fn hang_up() {
