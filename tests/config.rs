@@ -318,6 +318,89 @@ policies = [{ algorithm = "gcra", rate = "ten per second", burst = 5 }]
     assert!(errors.to_string().starts_with("not TOML"), "{errors}");
 }
 
+/// Reading problems do not hide the problems of the values read: an unknown field and a bad
+/// value elsewhere are reported together, reading's first. The part of the file that held a
+/// field set aside reports nothing more, since its problems could only echo the one set aside
+/// (a rule whose misspelt `polices` went has no policies; a store whose kind went is a
+/// memory store with a Redis URL).
+#[test]
+fn reading_problems_do_not_hide_value_problems() {
+    let errors = Config::from_toml(
+        r#"
+        [keys.api]
+        kind = "header"
+        header = "x-api-key"
+        colour = "blue"
+        [[rules]]
+        name = "a"
+        polices = [{ algorithm = "gcra", rate = "1/s" }]
+        [[rules]]
+        name = "b"
+        key = "api"
+        policies = [{ algorithm = "fixed_window", limit = 10, window = "0s" }]
+        [shed]
+        limit = "fixed"
+        initial = 0
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "keys.api.colour",
+            "rules[0].polices",
+            "rules[1].policies[0].window",
+            "shed.initial",
+        ],
+        "{errors}"
+    );
+    let messages: Vec<_> = errors.errors().iter().map(|e| e.message()).collect();
+    assert!(
+        messages[0].starts_with("unknown field `colour`"),
+        "{errors}"
+    );
+    assert!(
+        messages[1].starts_with("unknown field `polices`"),
+        "{errors}"
+    );
+    assert_eq!(messages[3], "must be at least 1");
+
+    // The store's reading problem leaves out the store's other problems, and the rules' (the
+    // store decides which policies run on Redis); the other sections are checked.
+    let errors = Config::from_toml(
+        r#"
+        [store]
+        kind = "disk"
+        url = "redis://x"
+        [[rules]]
+        name = "r"
+        policies = [{ algorithm = "gcra", rate = "0/s" }]
+        [shed]
+        limit = "fixed"
+        initial = 0
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(errors.paths(), ["store.kind", "shed.initial"], "{errors}");
+
+    // A key set aside whole would make every rule that names it an echo: nothing more is
+    // reported until it reads.
+    let errors = Config::from_toml(
+        r#"
+        keys.api = 5
+        [[rules]]
+        name = "r"
+        key = "api"
+        policies = [{ algorithm = "gcra", rate = "1/s" }]
+        [shed]
+        limit = "fixed"
+        initial = 0
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(errors.paths(), ["keys.api"], "{errors}");
+}
+
 /// Bindings a file names but code did not give are errors at build time, with their paths.
 #[test]
 fn unbound_names_are_errors() {

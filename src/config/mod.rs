@@ -119,6 +119,20 @@
 //! Unknown fields are errors everywhere (a misspelt option never silently does nothing). A
 //! file that is not TOML at all reports its syntax error with the line.
 //!
+//! The check has two phases, and the report lists the problems of the first, then those of
+//! the second:
+//!
+//! 1. **Reading**: every unknown field and every value of the wrong type (each is set aside
+//!    and the rest read again, so one does not hide the next).
+//! 2. **Values**: what was read is checked whole (limits, names, networks, routes, keys named
+//!    but not declared, the overload layers' bounds). After reading problems, this still runs
+//!    on the rest of the file, but leaves out the parts a value set aside could have changed,
+//!    whose problems would only echo it: the rule (`rules[1]`), the key (`keys.client`) or the
+//!    section (`[shed]`, `[answers]`, ...) that held it. A reading problem in `[store]` also
+//!    leaves out the rules and `[concurrency]` (the store decides what runs on Redis), and
+//!    one that sets aside a whole key, or `[keys]`, leaves out every value check (keys are
+//!    named from every section). Those parts are checked once their reading problem is fixed.
+//!
 //! # From code, and back
 //!
 //! [`Config`] is plain data with public fields: build one in code and [`Config::to_toml`]
@@ -254,6 +268,12 @@ impl Problems {
         }
     }
 
+    fn push(&mut self, error: ConfigError) {
+        if self.0.len() < MAX_REPORTED {
+            self.0.push(error);
+        }
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -273,7 +293,8 @@ impl Config {
     ///
     /// Type errors and unknown fields are all reported (each field in error is set aside and
     /// the rest read again, up to 100 problems); the values are then checked (see
-    /// [`Config::validate`]).
+    /// [`Config::validate`]), those of the parts of the file that the fields set aside could
+    /// have changed excepted (see the [module docs](crate::config#errors)).
     pub fn from_toml(text: &str) -> Result<Config, ConfigErrors> {
         if text.len() > MAX_FILE_LEN {
             return Err(ConfigErrors::one(
@@ -290,6 +311,7 @@ impl Config {
         // How often each path failed: a value set aside may leave its parent failing at the
         // same path (an array item needs fields); then the parent is set aside.
         let mut failed: std::collections::HashMap<String, usize> = Default::default();
+        let mut set_aside = SetAside::default();
         let config = loop {
             let value = toml::Value::Table(table.clone());
             match serde_path_to_error::deserialize::<_, Config>(value) {
@@ -308,22 +330,35 @@ impl Config {
                     let aside = ancestor(&path, *times - 1);
                     // Set the field aside and read the rest, so that every problem shows;
                     // stop when nothing can be set aside.
-                    if problems.0.len() >= MAX_REPORTED
-                        || failed.len() > 2 * MAX_REPORTED
-                        || !remove_at(&mut table, aside)
-                    {
+                    if problems.0.len() >= MAX_REPORTED || failed.len() > 2 * MAX_REPORTED {
                         break None;
+                    }
+                    match remove_at(&mut table, aside) {
+                        Some(removed) => set_aside.note(&removed),
+                        None => break None,
                     }
                 }
             }
         };
-        match config {
-            Some(config) if problems.is_empty() => {
-                config.check()?;
-                Ok(config)
-            }
-            _ => Err(ConfigErrors(problems.0)),
+        let Some(config) = config else {
+            return Err(ConfigErrors(problems.0));
+        };
+        if problems.is_empty() {
+            config.check()?;
+            return Ok(config);
         }
+        // The rest of the file, read with the bad values set aside, has its values checked
+        // too; the problems of the parts a value set aside could have changed are left out
+        // (they could be its echo: a rule whose misspelt `polices` was set aside has no
+        // policies).
+        if let Err(values) = config.check() {
+            for error in values.0 {
+                if !set_aside.touches(&error.path) {
+                    problems.push(error);
+                }
+            }
+        }
+        Err(ConfigErrors(problems.0))
     }
 
     /// Reads a TOML configuration file ([`Config::from_toml`]).
@@ -369,13 +404,13 @@ impl Config {
 }
 
 /// Removes the value at `path` (`rules[2].policies[0].window`) from `table`, or its
-/// innermost existing parent's entry; whether anything was removed.
-fn remove_at(table: &mut toml::Table, path: &str) -> bool {
-    let steps = split_path(path);
-    if steps.is_empty() {
-        return false;
-    }
-    remove_steps(table, &steps)
+/// innermost existing parent's entry; the steps that lead to what was removed, if anything
+/// was.
+fn remove_at<'p>(table: &mut toml::Table, path: &'p str) -> Option<Vec<Step<'p>>> {
+    let mut steps = split_path(path);
+    let removed = remove_steps(table, &steps)?;
+    steps.truncate(removed);
+    Some(steps)
 }
 
 /// `path` less its last `up` steps (`a[1].b` up 1 is `a[1]`, up 2 is `a`).
@@ -426,41 +461,73 @@ fn split_path(path: &str) -> Vec<Step<'_>> {
     steps
 }
 
-fn remove_steps(table: &mut toml::Table, steps: &[Step<'_>]) -> bool {
-    let Some((Step::Key(first), rest)) = steps.split_first() else {
-        return false;
+/// Removes what `steps` lead to in `table` (or the entry in which they stop leading
+/// anywhere); how many of the steps lead to what was removed.
+fn remove_steps(table: &mut toml::Table, steps: &[Step<'_>]) -> Option<usize> {
+    let (Step::Key(first), rest) = steps.split_first()? else {
+        return None;
     };
     if rest.is_empty() {
-        return table.remove(*first).is_some();
+        return table.remove(*first).map(|_| 1);
     }
-    let Some(child) = table.get_mut(*first) else {
-        return false;
-    };
-    if remove_in(child, rest) {
-        return true;
+    let child = table.get_mut(*first)?;
+    if let Some(removed) = remove_in(child, rest) {
+        return Some(removed + 1);
     }
     // The path ends inside a value that cannot be walked: drop the whole entry.
-    table.remove(*first).is_some()
+    table.remove(*first).map(|_| 1)
 }
 
-fn remove_in(value: &mut toml::Value, steps: &[Step<'_>]) -> bool {
+fn remove_in(value: &mut toml::Value, steps: &[Step<'_>]) -> Option<usize> {
     match (value, steps.split_first()) {
         (toml::Value::Table(table), Some((Step::Key(_), _))) => remove_steps(table, steps),
         (toml::Value::Array(items), Some((Step::Index(i), rest))) => {
+            let item = items.get_mut(*i)?;
             if rest.is_empty() {
-                if *i < items.len() {
-                    // Keep the indices of the items after it (their paths stay right).
-                    items[*i] = toml::Value::Table(toml::Table::new());
-                    return true;
-                }
-                return false;
+                // Keep the indices of the items after it (their paths stay right).
+                *item = toml::Value::Table(toml::Table::new());
+                return Some(1);
             }
-            match items.get_mut(*i) {
-                Some(item) => remove_in(item, rest),
-                None => false,
-            }
+            remove_in(item, rest).map(|removed| removed + 1)
         }
-        _ => false,
+        _ => None,
+    }
+}
+
+/// What the values set aside while reading could have changed: the parts of the file whose
+/// value problems are then not reported, since they may only echo the reading problem.
+#[derive(Debug, Default)]
+struct SetAside {
+    /// Every part: a whole key or `[keys]` went (keys are named from every section).
+    all: bool,
+    /// The paths under which nothing is reported.
+    parts: Vec<String>,
+}
+
+impl SetAside {
+    /// Notes that the value `removed` leads to was set aside.
+    fn note(&mut self, removed: &[Step<'_>]) {
+        match removed {
+            [Step::Key("keys"), Step::Key(name), _, ..] => self.parts.push(format!("keys.{name}")),
+            [Step::Key("rules"), Step::Index(i), ..] => self.parts.push(format!("rules[{i}]")),
+            // The store's kind and timeout shape the checks of the rules' policies (what
+            // Redis can run) and of a distributed concurrency limit.
+            [Step::Key("store"), ..] => {
+                self.parts
+                    .extend(["store", "rules", "concurrency"].map(String::from));
+            }
+            [Step::Key("keys"), ..] | [Step::Index(_), ..] | [] => self.all = true,
+            [Step::Key(section), ..] => self.parts.push((*section).to_owned()),
+        }
+    }
+
+    /// Whether a value problem at `path` may come from what was set aside.
+    fn touches(&self, path: &str) -> bool {
+        self.all
+            || self.parts.iter().any(|part| {
+                path.strip_prefix(part.as_str())
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+            })
     }
 }
 
