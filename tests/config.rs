@@ -401,6 +401,61 @@ fn reading_problems_do_not_hide_value_problems() {
     assert_eq!(errors.paths(), ["keys.api"], "{errors}");
 }
 
+/// The bounds of a key's address prefixes and of the store's key length: each reported at its
+/// field, with the bound; the bounds themselves are accepted.
+#[test]
+fn prefixes_and_key_length_are_bounded() {
+    let errors = Config::from_toml(
+        r#"
+        [store]
+        max_key_len = 0
+        [keys.v4]
+        kind = "peer_ip"
+        ipv4_prefix = 33
+        [keys.v6]
+        kind = "forwarded"
+        trusted = ["10.0.0.0/8"]
+        ipv6_prefix = 129
+        [keys.header]
+        kind = "header"
+        header = "x-api-key"
+        ipv4_prefix = 24
+        ipv6_prefix = 64
+        "#,
+    )
+    .unwrap_err();
+    let found: Vec<_> = errors
+        .errors()
+        .iter()
+        .map(|e| (e.path(), e.message()))
+        .collect();
+    assert_eq!(
+        found,
+        [
+            (
+                "keys.header.ipv4_prefix",
+                "not used by a key of kind header"
+            ),
+            (
+                "keys.header.ipv6_prefix",
+                "not used by a key of kind header"
+            ),
+            ("keys.v4.ipv4_prefix", "33 bits: at most 32"),
+            ("keys.v6.ipv6_prefix", "129 bits: at most 128"),
+            ("store.max_key_len", "must be at least 1"),
+        ],
+        "{errors}"
+    );
+    Config::from_toml(
+        r#"
+        store.max_key_len = 1
+        keys.peer = { kind = "peer_ip", ipv4_prefix = 32, ipv6_prefix = 128 }
+        keys.proxied = { kind = "forwarded", trusted = ["10.0.0.0/8"], ipv4_prefix = 0, ipv6_prefix = 0 }
+        "#,
+    )
+    .unwrap();
+}
+
 /// Bindings a file names but code did not give are errors at build time, with their paths.
 #[test]
 fn unbound_names_are_errors() {
