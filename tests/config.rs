@@ -643,10 +643,19 @@ async fn reload_keeps_state_and_refuses_bad_files() {
     );
 }
 
-/// Under concurrent requests, reloads back and forth lose no request, and no request sees
-/// half of one configuration and half of the other.
+/// Under concurrent requests, reloads back and forth lose no request and answer none twice
+/// (every request sent reaches the handler once and is answered 200), and no request sees half
+/// of one configuration and half of the other. Each reload waits until every client has been
+/// answered under the new configuration, so reloads and requests interleave however fast or
+/// slow the machine is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_under_load_is_atomic_and_loses_nothing() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering::SeqCst};
+    const CLIENTS: usize = 4;
+    const RELOADS: usize = 100;
+    const A: &str = r#""a";q=1000000;w=1, "a";q=1000000;w=1"#;
+    const B: &str = r#""b";q=1000000;w=1, "b";q=1000000;w=1"#;
     let config_named = |name: &str| {
         Config::from_toml(&format!(
             r#"
@@ -663,43 +672,73 @@ async fn reload_under_load_is_atomic_and_loses_nothing() {
     let (layer, reloader) = config_named("a")
         .reloadable_rate_limit_layer(MemoryStore::new(), Bindings::new())
         .unwrap();
-    let service = app(layer);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut clients = Vec::new();
-    for _ in 0..4 {
-        let service = service.clone();
-        let stop = stop.clone();
-        clients.push(tokio::spawn(async move {
-            let (mut answered, mut seen) = (0u64, std::collections::BTreeSet::new());
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let response = send(&service, "/", "k").await;
-                assert_eq!(response.status(), StatusCode::OK);
-                let policy = field(&response, "ratelimit-policy");
-                // Both rules' policies carry one configuration's name, never a mix.
-                assert!(
-                    policy == r#""a";q=1000000;w=1, "a";q=1000000;w=1"#
-                        || policy == r#""b";q=1000000;w=1, "b";q=1000000;w=1"#,
-                    "{policy}"
-                );
-                seen.insert(policy);
-                answered += 1;
+    // The handler counts the requests that reach it.
+    let handled = Arc::new(AtomicU64::new(0));
+    let service: App = {
+        let handled = handled.clone();
+        let handler = tower::service_fn(move |_: Request<String>| {
+            handled.fetch_add(1, SeqCst);
+            std::future::ready(Ok::<_, Infallible>(Response::new(String::new())))
+        });
+        tower::util::BoxCloneSyncService::new(ServiceBuilder::new().layer(layer).service(handler))
+    };
+    // The configuration each client was last answered under: 0 (none yet), b'a' or b'b'.
+    let last: Arc<[AtomicU8; CLIENTS]> = Arc::new(std::array::from_fn(|_| AtomicU8::new(0)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|client| {
+            let (service, last, stop) = (service.clone(), last.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut sent, mut ok, mut seen) = (0u64, 0u64, std::collections::BTreeSet::new());
+                while !stop.load(SeqCst) {
+                    sent += 1;
+                    let response = send(&service, "/", "k").await;
+                    ok += u64::from(response.status() == StatusCode::OK);
+                    // Both rules' policies carry one configuration's name, never a mix.
+                    let name = match field(&response, "ratelimit-policy").as_str() {
+                        A => b'a',
+                        B => b'b',
+                        mixed => panic!("{mixed}"),
+                    };
+                    seen.insert(name);
+                    last[client].store(name, SeqCst);
+                    tokio::task::yield_now().await;
+                }
+                (sent, ok, seen.len())
+            })
+        })
+        .collect();
+    let reloads = async {
+        for i in 0..=RELOADS {
+            // The first round waits for the first configuration; then each reload swaps.
+            let name = if i % 2 == 0 { b'a' } else { b'b' };
+            if i > 0 {
+                let name = if name == b'a' { "a" } else { "b" };
+                reloader.reload(config_named(name)).unwrap();
+            }
+            while last.iter().any(|l| l.load(SeqCst) != name) {
+                if clients.iter().any(|c| c.is_finished()) {
+                    return; // a client failed: its panic is reported below
+                }
                 tokio::task::yield_now().await;
             }
-            (answered, seen.len())
-        }));
-    }
-    for i in 0..200 {
-        let name = if i % 2 == 0 { "b" } else { "a" };
-        reloader.reload(config_named(name)).unwrap();
-        tokio::task::yield_now().await;
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
+    // A bound for a reload that never takes effect, not a timing: it takes milliseconds.
+    tokio::time::timeout(Duration::from_secs(30), reloads)
+        .await
+        .expect("every client is answered under each new configuration");
+    stop.store(true, SeqCst);
     let mut total = 0;
     for client in clients {
-        let (answered, _) = client.await.unwrap();
-        total += answered;
+        let (sent, ok, configurations) = client.await.unwrap();
+        assert_eq!(ok, sent, "every request answered 200");
+        // Answered under both configurations: the reloads happened between its requests.
+        assert_eq!(configurations, 2);
+        total += sent;
     }
-    assert!(total > 0);
+    assert_eq!(handled.load(SeqCst), total, "each request handled once");
+    assert!(total >= (CLIENTS * (RELOADS + 1)) as u64, "{total}");
 }
 
 /// The file of the module docs is a valid configuration.
