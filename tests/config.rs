@@ -456,6 +456,119 @@ fn prefixes_and_key_length_are_bounded() {
     .unwrap();
 }
 
+/// The options the memory file (`FULL`) cannot set, for the round trip below: a Redis store
+/// with all its options, a distributed concurrency limit, an AIMD shedder, and the answers'
+/// other values.
+#[cfg(all(feature = "redis", feature = "axum"))]
+const REDIS_FULL: &str = r#"
+trace_keys = "plain"
+
+[store]
+kind = "redis"
+name = "shared"
+url = "redis://127.0.0.1:6379/2"
+prefix = "rl:"
+pool_size = 8
+timeout = "40ms"
+deny_cache = 5000
+on_failure = "local"
+instances = 3
+breaker = { failures = 4, open_for = "1s500ms" }
+max_key_len = 300
+
+[keys.client]
+kind = "peer_ip"
+ipv4_prefix = 24
+ipv6_prefix = 48
+
+[keys.tenant]
+kind = "header"
+header = "x-tenant"
+
+[answers]
+headers = "legacy"
+legacy_reset = "delta_seconds"
+unavailable_retry_after = "1s"
+decision_extension = true
+
+[[rules]]
+name = "per-client"
+methods = ["GET", "HEAD"]
+exact_methods = true
+path_prefix = "/api"
+key = "client"
+cost = 2
+on_missing_key = 429
+shadow = true
+policies = [{ algorithm = "gcra", rate = "50/s", burst = 100, name = "steady" }]
+
+[[rules]]
+name = "plan"
+key = "tenant"
+on_missing_key = "skip"
+[rules.tiers]
+resolver = "plans"
+keys = { "t-1" = "gold", "t-2" = "free" }
+default = "free"
+cache_for = "30s"
+cache_capacity = 5000
+timeout = "250ms"
+plans = [
+  { name = "free", policies = [{ algorithm = "fixed_window", limit = 100, window = "1m" }] },
+  { name = "gold", policies = [
+      { algorithm = "token_bucket", rate = "1000/minute", burst = 200 },
+      { algorithm = "sliding_window", rate = "50000 per 1h", name = "gold-hourly" },
+  ] },
+]
+
+[concurrency]
+name = "leases"
+total = 100
+queue = { max_waiting = 10, max_wait = "20ms" }
+distributed = true
+lease_time = "5s"
+on_store_error = "closed"
+rules = [
+  { name = "jobs", methods = ["POST"], route = "/jobs/{id}", key = "tenant", on_missing_key = 400, max_in_flight = 3 },
+  { name = "uploads", path = "/upload", max_in_flight = 1 },
+]
+
+[shed]
+name = "edge"
+limit = "aimd"
+initial = 50
+min = 5
+max = 500
+latency = "200ms"
+class_header = "x-class"
+shares = { critical = 0.9, sheddable_plus = 0.7 }
+fair_by = "tenant"
+fair_from = 0.5
+queue = { max_waiting = 20, max_wait = "10ms" }
+deadline_header = "x-deadline"
+"#;
+
+/// Files that together set every option of the schema (a Redis store with a URL, then with a
+/// cluster; the memory file) are read, written and read back to the same configuration, and
+/// written again to the same text.
+#[cfg(all(feature = "redis", feature = "axum"))]
+#[test]
+fn files_with_every_option_round_trip() {
+    let cluster = REDIS_FULL.replace(
+        r#"url = "redis://127.0.0.1:6379/2""#,
+        r#"cluster = ["10.0.0.1:6379", "[fd00::1]:6380"]"#,
+    );
+    let files = [FULL, REDIS_FULL, cluster.as_str()];
+    assert_eq!(options_missing(&files), Vec::<String>::new());
+    for text in files {
+        let config = Config::from_toml(text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let written = config.to_toml().unwrap();
+        let again = Config::from_toml(&written).unwrap_or_else(|e| panic!("{e}\n{written}"));
+        assert_eq!(again, config, "{written}");
+        assert_eq!(again.to_toml().unwrap(), written);
+    }
+}
+
 /// Bindings a file names but code did not give are errors at build time, with their paths.
 #[test]
 fn unbound_names_are_errors() {
@@ -741,26 +854,197 @@ async fn reload_under_load_is_atomic_and_loses_nothing() {
     assert!(total >= (CLIENTS * (RELOADS + 1)) as u64, "{total}");
 }
 
-/// The file of the module docs is a valid configuration.
-#[cfg(feature = "redis")]
-#[test]
-fn the_documented_file_is_valid() {
+/// The file of the module docs, as written; with `commented`, with the options it shows
+/// commented out (`# shards = 64`) in.
+fn documented_file(commented: bool) -> String {
     let source = include_str!("../src/config/mod.rs");
     let start = source.find("//! ```toml\n").unwrap() + "//! ```toml\n".len();
     let end = start + source[start..].find("//! ```\n").unwrap();
-    let text: String = source[start..end]
+    let is_option = |line: &str| {
+        line.split_once(" = ").is_some_and(|(name, _)| {
+            !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+        })
+    };
+    source[start..end]
         .lines()
         .map(|line| {
-            line.strip_prefix("//!")
+            let line = line
+                .strip_prefix("//!")
                 .unwrap()
                 .strip_prefix(' ')
-                .unwrap_or("")
+                .unwrap_or("");
+            match line.strip_prefix("# ") {
+                Some(option) if commented && is_option(option) => option,
+                _ => line,
+            }
         })
         .collect::<Vec<_>>()
-        .join("\n");
+        .join("\n")
+}
+
+/// The file of the module docs is a valid configuration.
+#[cfg(all(feature = "redis", feature = "axum"))]
+#[test]
+fn the_documented_file_is_valid() {
+    let text = documented_file(false);
     let config = Config::from_toml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
-    assert_eq!(config.rules.len(), 2);
+    assert_eq!(config.rules.len(), 4);
     assert!(config.concurrency.is_some() && config.shed.is_some());
+}
+
+/// One step into a TOML value.
+#[derive(Clone, Debug)]
+enum Step {
+    Key(String),
+    Index(usize),
+}
+
+fn value_at<'v>(value: &'v toml::Value, at: &[Step]) -> &'v toml::Value {
+    at.iter().fold(value, |value, step| match step {
+        Step::Key(key) => &value[key.as_str()],
+        Step::Index(i) => &value[*i],
+    })
+}
+
+/// The fields of the struct that the table at `at` is read into, learnt from the error of
+/// reading it with one more field; `None` for a map (whose keys are names, not fields).
+fn fields_of(root: &toml::Value, at: &[Step]) -> Option<Vec<String>> {
+    let mut probed = root.clone();
+    let mut table = &mut probed;
+    for step in at {
+        table = match step {
+            Step::Key(key) => table.get_mut(key.as_str()),
+            Step::Index(i) => table.get_mut(*i),
+        }
+        .unwrap();
+    }
+    let probe = "zzz_probe";
+    table
+        .as_table_mut()
+        .unwrap()
+        .insert(probe.into(), toml::Value::Integer(0));
+    let error = probed.try_into::<Config>().err()?.to_string();
+    let unknown = format!("unknown field `{probe}`");
+    let line = error.lines().find(|line| line.contains(&unknown))?;
+    let expected = line.find("expected").map_or("", |at| &line[at..]);
+    Some(
+        expected
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect(),
+    )
+}
+
+/// The options of the configuration's schema that none of `texts` sets, sorted, each as the
+/// path of a table of its struct (`store.pool_size`, `rules[].tiers.timeout`,
+/// `keys.*.binding`). The schema is not listed here: each table is asked for the fields of
+/// its struct, so a field added to the schema is missing until the texts set it. A struct's
+/// fields may be set in any of its tables (a policy's `window` in a rule or in a tier); a
+/// struct none of the texts has shows as its missing field in its parent.
+fn options_missing(texts: &[&str]) -> Vec<String> {
+    use std::collections::{BTreeMap, BTreeSet};
+    let join = |shape: &str, name: &str| {
+        if shape.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{shape}.{name}")
+        }
+    };
+    // By struct (its fields): the first path of a table of it, and the fields set there.
+    let mut structs: BTreeMap<Vec<String>, (String, BTreeSet<String>)> = BTreeMap::new();
+    for text in texts {
+        let root =
+            toml::Value::Table(toml::from_str(text).unwrap_or_else(|e| panic!("{e}\n{text}")));
+        let mut tables = vec![(String::new(), Vec::new())];
+        while let Some((shape, at)) = tables.pop() {
+            let fields = fields_of(&root, &at);
+            let table = value_at(&root, &at).as_table().unwrap();
+            let is_struct = fields.is_some();
+            if let Some(fields) = fields {
+                let (first, set) = structs
+                    .entry(fields)
+                    .or_insert_with(|| (shape.clone(), BTreeSet::new()));
+                if shape < *first {
+                    first.clone_from(&shape);
+                }
+                set.extend(table.keys().cloned());
+            }
+            for (name, child) in table {
+                let shape = join(&shape, if is_struct { name } else { "*" });
+                let mut at = at.clone();
+                at.push(Step::Key(name.clone()));
+                match child {
+                    toml::Value::Table(_) => tables.push((shape, at)),
+                    toml::Value::Array(items) => {
+                        for (i, item) in items.iter().enumerate() {
+                            if item.is_table() {
+                                let mut at = at.clone();
+                                at.push(Step::Index(i));
+                                tables.push((format!("{shape}[]"), at));
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    assert!(structs.len() > 1, "no struct found: {structs:?}");
+    let mut missing: Vec<_> = structs
+        .iter()
+        .flat_map(|(fields, (shape, set))| {
+            fields
+                .iter()
+                .filter(|field| !set.contains(*field))
+                .map(|field| join(shape, field))
+        })
+        .collect();
+    missing.sort();
+    missing
+}
+
+/// The file of the module docs shows every option of the schema (set, or commented out where
+/// it cannot be set with the others).
+#[test]
+fn the_documented_file_shows_every_option() {
+    assert_eq!(
+        options_missing(&[&documented_file(true)]),
+        Vec::<String>::new()
+    );
+    // The check finds what a file leaves out, down to the fields of nested tables.
+    let missing = options_missing(&[&documented_file(false)]);
+    assert_eq!(
+        missing,
+        [
+            "shed.latency",
+            "store.cluster",
+            "store.max_keys",
+            "store.shards"
+        ]
+    );
+    let fewer = options_missing(&[r#"
+        [store]
+        kind = "memory"
+        [[rules]]
+        name = "r"
+        policies = [{ algorithm = "gcra", rate = "1/s" }]
+        tiers = { resolver = "x", plans = [{ name = "p", policies = [] }] }
+        "#]);
+    for path in [
+        "keys",
+        "store.pool_size",
+        "rules[].methods",
+        "rules[].policies[].burst",
+        "rules[].tiers.timeout",
+    ] {
+        assert!(fewer.contains(&path.to_owned()), "{path} in {fewer:?}");
+    }
+    assert!(
+        !fewer.contains(&"rules[].tiers.plans[].name".to_owned()),
+        "{fewer:?}"
+    );
 }
 
 /// Absurd key graphs are refused quickly with a clear error: a cycle, too many parts, and a

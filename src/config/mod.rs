@@ -30,47 +30,62 @@
 //!
 //! # The file
 //!
-//! Every section is optional; what a file leaves out keeps its default.
+//! Every section is optional; what a file leaves out keeps its default. This file sets every
+//! option there is (a test keeps it so); the lines commented out are options that cannot be
+//! set together with the ones above them.
 //!
 //! ```toml
-//! trace_keys = "hashed"             # the DEBUG decision span: "none" (default), "hashed", "plain"
+//! trace_keys = "hashed"             # keys in the DEBUG decision span: "none" (default), "hashed", "plain"
 //!
 //! [store]
 //! kind = "redis"                    # "memory" (the default) or "redis" (feature `redis`)
 //! name = "shared"                   # the `store` label of its metrics
-//! url = "redis://127.0.0.1:6379"    # or cluster = ["10.0.0.1:6379", "10.0.0.2:6379"]
-//! prefix = "rl:"
+//! url = "redis://127.0.0.1:6379"    # rediss:// for TLS
+//! # cluster = ["10.0.0.1:6379", "10.0.0.2:6379"]   # Redis Cluster's seed nodes, instead of url
+//! prefix = "rl:"                    # of every key name in Redis
+//! pool_size = 4                     # connections
 //! timeout = "50ms"                  # a slower answer is a failure
 //! on_failure = "local"              # "closed" (503, the default), "open" or "local"
 //! instances = 4                     # "local" divides each limit among this many instances
-//! breaker = { failures = 5, open_for = "2s" }
-//! # memory only: max_keys = 100000, shards = 64; both: max_key_len = 256
+//! breaker = { failures = 5, open_for = "2s" }      # stop waiting on a dead Redis
+//! deny_cache = 10000                # refused keys answered in process until their reset (0: off)
+//! max_key_len = 256                 # longer keys are hashed (both kinds)
+//! # max_keys = 100000               # kind = "memory" only: the (key, policy) pairs kept
+//! # shards = 64                     # kind = "memory" only: a power of two
 //!
 //! [keys.client]                     # a named key extractor, for rules to use
 //! kind = "forwarded"                # global, peer_ip, forwarded, header, any_of, all_of, custom
-//! trusted = ["10.0.0.0/8", "fd00::/8"]
+//! trusted = ["10.0.0.0/8", "fd00::/8"]             # the proxies believed
 //! rfc7239 = false                   # true reads `Forwarded` instead of `X-Forwarded-For`
-//! ipv6_prefix = 64
+//! ipv4_prefix = 32                  # peer_ip, forwarded: one key per address (24: per /24)
+//! ipv6_prefix = 64                  # one key per /64 (the default)
 //!
 //! [keys.api_key]
 //! kind = "header"
 //! header = "x-api-key"
 //!
 //! [keys.caller]
-//! kind = "any_of"                   # the API key, else the client's address
+//! kind = "any_of"                   # the API key, else the client's address (all_of: both)
 //! of = ["api_key", "client"]
 //!
+//! [keys.tenant]
+//! kind = "custom"                   # found in code: Bindings::key
+//! binding = "tenant"
+//!
 //! [answers]
-//! headers = "ietf"                  # "ietf", "legacy", "both" or "off"
-//! unavailable_retry_after = "2s"
+//! headers = "ietf"                  # "ietf" (the default), "legacy", "both" or "off"
+//! legacy_reset = "delta_seconds"    # legacy X-RateLimit-Reset: or "unix_seconds"
+//! unavailable_retry_after = "2s"    # the Retry-After of a 503 when the store fails
+//! decision_extension = false        # true: an admitted request's decision in its extensions
 //!
 //! [[rules]]
 //! name = "search"
-//! methods = ["GET"]
-//! path_prefix = "/search"           # or path = "/exact", or route = "/users/{id}"
-//! key = "caller"
-//! cost = 5
-//! on_missing_key = "skip"           # or a status: 401
+//! methods = ["GET"]                 # GET covers HEAD too...
+//! exact_methods = false             # ...unless the methods are to be taken exactly
+//! path_prefix = "/search"           # by whole segments; or path, or route (below)
+//! key = "caller"                    # a name from [keys], or "global" (the default), "peer_ip"
+//! cost = 5                          # units per request (1 unless set)
+//! on_missing_key = "skip"           # or a status: 401 (500 unless set)
 //! shadow = false                    # true: decide and report, never refuse
 //! policies = [
 //!   { algorithm = "token_bucket", rate = "100/minute", burst = 50 },
@@ -78,14 +93,31 @@
 //! ]
 //!
 //! [[rules]]
+//! name = "login"
+//! methods = ["POST"]
+//! path = "/login"                   # this exact path
+//! key = "client"
+//! policies = [{ algorithm = "sliding_log", rate = "5 per 15m" }]
+//!
+//! [[rules]]
+//! name = "documents"
+//! route = "/documents/{id}"         # an axum route template (feature `axum`)
+//! key = "tenant"
+//! policies = [
+//!   { algorithm = "sliding_window", limit = 600, window = "1m" },
+//!   { algorithm = "leaky_bucket", rate = "20/s", burst = 40 },
+//! ]
+//!
+//! [[rules]]
 //! name = "plan"
 //! key = "api_key"
 //! on_missing_key = 401
-//! [rules.tiers]
+//! [rules.tiers]                     # policies by the key's tier, instead of `policies`
 //! resolver = "plans"                # registered in code: Bindings::resolver
-//! keys = { "k-internal" = "pro" }   # or listed here
-//! default = "free"
-//! cache_for = "5m"
+//! keys = { "k-internal" = "pro" }   # or listed here (asked first)
+//! default = "free"                  # for keys placed nowhere (the first plan unless set)
+//! cache_for = "5m"                  # how long an answer is remembered
+//! cache_capacity = 100000           # how many keys' answers
 //! timeout = "1s"                    # a slower resolver: the default tier, this request only
 //! plans = [
 //!   { name = "free", policies = [{ algorithm = "gcra", rate = "60/minute", burst = 10 }] },
@@ -94,16 +126,30 @@
 //!
 //! [concurrency]
 //! name = "in-flight"                # the `layer` label of its metrics
-//! total = 512
-//! queue = { max_waiting = 64, max_wait = "100ms" }
-//! rules = [{ name = "exports", path_prefix = "/export", key = "api_key", max_in_flight = 2 }]
+//! total = 512                       # in flight in all (503 past it)
+//! queue = { max_waiting = 64, max_wait = "100ms" } # a bounded wait for a place
+//! distributed = true                # places counted on the Redis store, across instances
+//! lease_time = "30s"                # a place not renewed for this long is freed
+//! on_store_error = "local"          # Redis failing: "local" (the default), "open" or "closed"
+//! rules = [                         # matched and keyed as rate-limit rules are
+//!   { name = "exports", methods = ["GET"], path_prefix = "/export", key = "api_key", on_missing_key = "skip", max_in_flight = 2 },
+//!   { name = "uploads", path = "/upload", key = "tenant", max_in_flight = 4 },
+//!   { name = "reports", route = "/reports/{id}", max_in_flight = 8 },
+//! ]
 //!
 //! [shed]
-//! limit = "vegas"                   # "fixed", "vegas" or "aimd" (with latency = "250ms")
-//! initial = 100
+//! name = "front"                    # the `layer` label of its metrics
+//! limit = "vegas"                   # "fixed", "vegas" (adaptive, the usual choice) or "aimd"
+//! initial = 100                     # fixed: the limit; adaptive: where it starts
+//! min = 10                          # adaptive: the bounds (1 and 1000 unless set)
 //! max = 1000
-//! class_header = "x-criticality"
+//! # latency = "250ms"               # limit = "aimd" only: the latency above which it shrinks
+//! class_header = "x-criticality"    # critical_plus, critical, sheddable_plus, sheddable
+//! shares = { sheddable = 0.6, sheddable_plus = 0.75 }   # each class shed from this share of capacity
+//! fair_by = "tenant"                # fair shares among the tenants of this key...
+//! fair_from = 0.8                   # ...from this share of capacity
 //! queue = { max_waiting = 100, max_wait = "50ms" }
+//! deadline_header = "grpc-timeout"  # clients' declared timeouts, never waited past (with a queue)
 //! ```
 //!
 //! Durations are written with units and may be summed: `"500ms"`, `"15m"`, `"1h30m"`,
