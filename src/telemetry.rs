@@ -22,6 +22,8 @@
 //! | `tollgate.breaker.opened` | event | WARN | `store`, `open_for` | the breaker of a `ResilientStore` opened (a run of failures, or a failed probe) |
 //! | `tollgate.breaker.half_open` | event | DEBUG | `store` | the breaker lets one probe through |
 //! | `tollgate.breaker.closed` | event | INFO | `store` | the breaker closed: the store answers again |
+//! | `tollgate.tier_fallback` | event | WARN | `rule`, `reason` | a rule's tier resolver gave no answer and the request was counted in the default tier, remembered for nobody: `reason` is `error` (the resolver's answer was an `Err`), `panic` or `timeout` ([`Tiers::timeout`](crate::limiter::Tiers::timeout)). One per request that fell back. Without the resolver's error text, which may hold the key |
+//! | `tollgate.tier_fallback.error` | event | DEBUG | `rule`, `error` | the text of that `Err`, as the resolver wrote it (for `reason = "error"`, right after the WARN) |
 //! | `tollgate.concurrency.refused` | event | DEBUG | `layer`, `rule`, `reason` | the concurrency layer refused a request (`busy`, `full`, `no_key`, `store_down`) |
 //! | `tollgate.shed` | event | DEBUG | `layer`, `class`, `reason` | the shedder shed a request (reasons as in the `tollgate_shed_total` metric) |
 //! | `tollgate.shed.limit` | event | DEBUG | `layer`, `from`, `to` | the shedder's adaptive limit moved |
@@ -34,7 +36,8 @@
 //! carries a key, and the DEBUG decision span carries one only if the layer asks for it with
 //! [`RateLimitLayerBuilder::trace_keys`](crate::http::RateLimitLayerBuilder::trace_keys):
 //! [`KeyTrace::Hashed`] (a short hash that tells keys apart and is the same in every process)
-//! or [`KeyTrace::Plain`].
+//! or [`KeyTrace::Plain`]. Text that tollgate does not write is kept at DEBUG too: a tier
+//! resolver's error (`tollgate.tier_fallback.error`) may name the key it was asked about.
 //!
 //! The decision span is made only while some subscriber wants DEBUG (`tracing`'s global
 //! maximum level, one relaxed load), and then with `debug_span!`, whose callsite's cached

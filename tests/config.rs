@@ -318,6 +318,257 @@ policies = [{ algorithm = "gcra", rate = "ten per second", burst = 5 }]
     assert!(errors.to_string().starts_with("not TOML"), "{errors}");
 }
 
+/// Reading problems do not hide the problems of the values read: an unknown field and a bad
+/// value elsewhere are reported together, reading's first. The part of the file that held a
+/// field set aside reports nothing more, since its problems could only echo the one set aside
+/// (a rule whose misspelt `polices` went has no policies; a store whose kind went is a
+/// memory store with a Redis URL).
+#[test]
+fn reading_problems_do_not_hide_value_problems() {
+    let errors = Config::from_toml(
+        r#"
+        [keys.api]
+        kind = "header"
+        header = "x-api-key"
+        colour = "blue"
+        [[rules]]
+        name = "a"
+        polices = [{ algorithm = "gcra", rate = "1/s" }]
+        [[rules]]
+        name = "b"
+        key = "api"
+        policies = [{ algorithm = "fixed_window", limit = 10, window = "0s" }]
+        [shed]
+        limit = "fixed"
+        initial = 0
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "keys.api.colour",
+            "rules[0].polices",
+            "rules[1].policies[0].window",
+            "shed.initial",
+        ],
+        "{errors}"
+    );
+    let messages: Vec<_> = errors.errors().iter().map(|e| e.message()).collect();
+    assert!(
+        messages[0].starts_with("unknown field `colour`"),
+        "{errors}"
+    );
+    assert!(
+        messages[1].starts_with("unknown field `polices`"),
+        "{errors}"
+    );
+    assert_eq!(messages[3], "must be at least 1");
+
+    // The store's reading problem leaves out the store's other problems, and the rules' (the
+    // store decides which policies run on Redis); the other sections are checked.
+    let errors = Config::from_toml(
+        r#"
+        [store]
+        kind = "disk"
+        url = "redis://x"
+        [[rules]]
+        name = "r"
+        policies = [{ algorithm = "gcra", rate = "0/s" }]
+        [shed]
+        limit = "fixed"
+        initial = 0
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(errors.paths(), ["store.kind", "shed.initial"], "{errors}");
+
+    // A key set aside whole would make every rule that names it an echo: nothing more is
+    // reported until it reads.
+    let errors = Config::from_toml(
+        r#"
+        keys.api = 5
+        [[rules]]
+        name = "r"
+        key = "api"
+        policies = [{ algorithm = "gcra", rate = "1/s" }]
+        [shed]
+        limit = "fixed"
+        initial = 0
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(errors.paths(), ["keys.api"], "{errors}");
+}
+
+/// The bounds of a key's address prefixes and of the store's key length: each reported at its
+/// field, with the bound; the bounds themselves are accepted.
+#[test]
+fn prefixes_and_key_length_are_bounded() {
+    let errors = Config::from_toml(
+        r#"
+        [store]
+        max_key_len = 0
+        [keys.v4]
+        kind = "peer_ip"
+        ipv4_prefix = 33
+        [keys.v6]
+        kind = "forwarded"
+        trusted = ["10.0.0.0/8"]
+        ipv6_prefix = 129
+        [keys.header]
+        kind = "header"
+        header = "x-api-key"
+        ipv4_prefix = 24
+        ipv6_prefix = 64
+        "#,
+    )
+    .unwrap_err();
+    let found: Vec<_> = errors
+        .errors()
+        .iter()
+        .map(|e| (e.path(), e.message()))
+        .collect();
+    assert_eq!(
+        found,
+        [
+            (
+                "keys.header.ipv4_prefix",
+                "not used by a key of kind header"
+            ),
+            (
+                "keys.header.ipv6_prefix",
+                "not used by a key of kind header"
+            ),
+            ("keys.v4.ipv4_prefix", "33 bits: at most 32"),
+            ("keys.v6.ipv6_prefix", "129 bits: at most 128"),
+            ("store.max_key_len", "must be at least 1"),
+        ],
+        "{errors}"
+    );
+    Config::from_toml(
+        r#"
+        store.max_key_len = 1
+        keys.peer = { kind = "peer_ip", ipv4_prefix = 32, ipv6_prefix = 128 }
+        keys.proxied = { kind = "forwarded", trusted = ["10.0.0.0/8"], ipv4_prefix = 0, ipv6_prefix = 0 }
+        "#,
+    )
+    .unwrap();
+}
+
+/// The options the memory file (`FULL`) cannot set, for the round trip below: a Redis store
+/// with all its options, a distributed concurrency limit, an AIMD shedder, and the answers'
+/// other values.
+#[cfg(all(feature = "redis", feature = "axum"))]
+const REDIS_FULL: &str = r#"
+trace_keys = "plain"
+
+[store]
+kind = "redis"
+name = "shared"
+url = "redis://127.0.0.1:6379/2"
+prefix = "rl:"
+pool_size = 8
+timeout = "40ms"
+deny_cache = 5000
+on_failure = "local"
+instances = 3
+breaker = { failures = 4, open_for = "1s500ms" }
+max_key_len = 300
+
+[keys.client]
+kind = "peer_ip"
+ipv4_prefix = 24
+ipv6_prefix = 48
+
+[keys.tenant]
+kind = "header"
+header = "x-tenant"
+
+[answers]
+headers = "legacy"
+legacy_reset = "delta_seconds"
+unavailable_retry_after = "1s"
+decision_extension = true
+
+[[rules]]
+name = "per-client"
+methods = ["GET", "HEAD"]
+exact_methods = true
+path_prefix = "/api"
+key = "client"
+cost = 2
+on_missing_key = 429
+shadow = true
+policies = [{ algorithm = "gcra", rate = "50/s", burst = 100, name = "steady" }]
+
+[[rules]]
+name = "plan"
+key = "tenant"
+on_missing_key = "skip"
+[rules.tiers]
+resolver = "plans"
+keys = { "t-1" = "gold", "t-2" = "free" }
+default = "free"
+cache_for = "30s"
+cache_capacity = 5000
+timeout = "250ms"
+plans = [
+  { name = "free", policies = [{ algorithm = "fixed_window", limit = 100, window = "1m" }] },
+  { name = "gold", policies = [
+      { algorithm = "token_bucket", rate = "1000/minute", burst = 200 },
+      { algorithm = "sliding_window", rate = "50000 per 1h", name = "gold-hourly" },
+  ] },
+]
+
+[concurrency]
+name = "leases"
+total = 100
+queue = { max_waiting = 10, max_wait = "20ms" }
+distributed = true
+lease_time = "5s"
+on_store_error = "closed"
+rules = [
+  { name = "jobs", methods = ["POST"], route = "/jobs/{id}", key = "tenant", on_missing_key = 400, max_in_flight = 3 },
+  { name = "uploads", path = "/upload", max_in_flight = 1 },
+]
+
+[shed]
+name = "edge"
+limit = "aimd"
+initial = 50
+min = 5
+max = 500
+latency = "200ms"
+class_header = "x-class"
+shares = { critical = 0.9, sheddable_plus = 0.7 }
+fair_by = "tenant"
+fair_from = 0.5
+queue = { max_waiting = 20, max_wait = "10ms" }
+deadline_header = "x-deadline"
+"#;
+
+/// Files that together set every option of the schema (a Redis store with a URL, then with a
+/// cluster; the memory file) are read, written and read back to the same configuration, and
+/// written again to the same text.
+#[cfg(all(feature = "redis", feature = "axum"))]
+#[test]
+fn files_with_every_option_round_trip() {
+    let cluster = REDIS_FULL.replace(
+        r#"url = "redis://127.0.0.1:6379/2""#,
+        r#"cluster = ["10.0.0.1:6379", "[fd00::1]:6380"]"#,
+    );
+    let files = [FULL, REDIS_FULL, cluster.as_str()];
+    assert_eq!(options_missing(&files), Vec::<String>::new());
+    for text in files {
+        let config = Config::from_toml(text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let written = config.to_toml().unwrap();
+        let again = Config::from_toml(&written).unwrap_or_else(|e| panic!("{e}\n{written}"));
+        assert_eq!(again, config, "{written}");
+        assert_eq!(again.to_toml().unwrap(), written);
+    }
+}
+
 /// Bindings a file names but code did not give are errors at build time, with their paths.
 #[test]
 fn unbound_names_are_errors() {
@@ -505,10 +756,19 @@ async fn reload_keeps_state_and_refuses_bad_files() {
     );
 }
 
-/// Under concurrent requests, reloads back and forth lose no request, and no request sees
-/// half of one configuration and half of the other.
+/// Under concurrent requests, reloads back and forth lose no request and answer none twice
+/// (every request sent reaches the handler once and is answered 200), and no request sees half
+/// of one configuration and half of the other. Each reload waits until every client has been
+/// answered under the new configuration, so reloads and requests interleave however fast or
+/// slow the machine is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_under_load_is_atomic_and_loses_nothing() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering::SeqCst};
+    const CLIENTS: usize = 4;
+    const RELOADS: usize = 100;
+    const A: &str = r#""a";q=1000000;w=1, "a";q=1000000;w=1"#;
+    const B: &str = r#""b";q=1000000;w=1, "b";q=1000000;w=1"#;
     let config_named = |name: &str| {
         Config::from_toml(&format!(
             r#"
@@ -525,65 +785,266 @@ async fn reload_under_load_is_atomic_and_loses_nothing() {
     let (layer, reloader) = config_named("a")
         .reloadable_rate_limit_layer(MemoryStore::new(), Bindings::new())
         .unwrap();
-    let service = app(layer);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut clients = Vec::new();
-    for _ in 0..4 {
-        let service = service.clone();
-        let stop = stop.clone();
-        clients.push(tokio::spawn(async move {
-            let (mut answered, mut seen) = (0u64, std::collections::BTreeSet::new());
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let response = send(&service, "/", "k").await;
-                assert_eq!(response.status(), StatusCode::OK);
-                let policy = field(&response, "ratelimit-policy");
-                // Both rules' policies carry one configuration's name, never a mix.
-                assert!(
-                    policy == r#""a";q=1000000;w=1, "a";q=1000000;w=1"#
-                        || policy == r#""b";q=1000000;w=1, "b";q=1000000;w=1"#,
-                    "{policy}"
-                );
-                seen.insert(policy);
-                answered += 1;
+    // The handler counts the requests that reach it.
+    let handled = Arc::new(AtomicU64::new(0));
+    let service: App = {
+        let handled = handled.clone();
+        let handler = tower::service_fn(move |_: Request<String>| {
+            handled.fetch_add(1, SeqCst);
+            std::future::ready(Ok::<_, Infallible>(Response::new(String::new())))
+        });
+        tower::util::BoxCloneSyncService::new(ServiceBuilder::new().layer(layer).service(handler))
+    };
+    // The configuration each client was last answered under: 0 (none yet), b'a' or b'b'.
+    let last: Arc<[AtomicU8; CLIENTS]> = Arc::new(std::array::from_fn(|_| AtomicU8::new(0)));
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|client| {
+            let (service, last, stop) = (service.clone(), last.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut sent, mut ok, mut seen) = (0u64, 0u64, std::collections::BTreeSet::new());
+                while !stop.load(SeqCst) {
+                    sent += 1;
+                    let response = send(&service, "/", "k").await;
+                    ok += u64::from(response.status() == StatusCode::OK);
+                    // Both rules' policies carry one configuration's name, never a mix.
+                    let name = match field(&response, "ratelimit-policy").as_str() {
+                        A => b'a',
+                        B => b'b',
+                        mixed => panic!("{mixed}"),
+                    };
+                    seen.insert(name);
+                    last[client].store(name, SeqCst);
+                    tokio::task::yield_now().await;
+                }
+                (sent, ok, seen.len())
+            })
+        })
+        .collect();
+    let reloads = async {
+        for i in 0..=RELOADS {
+            // The first round waits for the first configuration; then each reload swaps.
+            let name = if i % 2 == 0 { b'a' } else { b'b' };
+            if i > 0 {
+                let name = if name == b'a' { "a" } else { "b" };
+                reloader.reload(config_named(name)).unwrap();
+            }
+            while last.iter().any(|l| l.load(SeqCst) != name) {
+                if clients.iter().any(|c| c.is_finished()) {
+                    return; // a client failed: its panic is reported below
+                }
                 tokio::task::yield_now().await;
             }
-            (answered, seen.len())
-        }));
-    }
-    for i in 0..200 {
-        let name = if i % 2 == 0 { "b" } else { "a" };
-        reloader.reload(config_named(name)).unwrap();
-        tokio::task::yield_now().await;
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
+    // A bound for a reload that never takes effect, not a timing: it takes milliseconds.
+    tokio::time::timeout(Duration::from_secs(30), reloads)
+        .await
+        .expect("every client is answered under each new configuration");
+    stop.store(true, SeqCst);
     let mut total = 0;
     for client in clients {
-        let (answered, _) = client.await.unwrap();
-        total += answered;
+        let (sent, ok, configurations) = client.await.unwrap();
+        assert_eq!(ok, sent, "every request answered 200");
+        // Answered under both configurations: the reloads happened between its requests.
+        assert_eq!(configurations, 2);
+        total += sent;
     }
-    assert!(total > 0);
+    assert_eq!(handled.load(SeqCst), total, "each request handled once");
+    assert!(total >= (CLIENTS * (RELOADS + 1)) as u64, "{total}");
 }
 
-/// The file of the module docs is a valid configuration.
-#[cfg(feature = "redis")]
-#[test]
-fn the_documented_file_is_valid() {
+/// The file of the module docs, as written; with `commented`, with the options it shows
+/// commented out (`# shards = 64`) in.
+fn documented_file(commented: bool) -> String {
     let source = include_str!("../src/config/mod.rs");
     let start = source.find("//! ```toml\n").unwrap() + "//! ```toml\n".len();
     let end = start + source[start..].find("//! ```\n").unwrap();
-    let text: String = source[start..end]
+    let is_option = |line: &str| {
+        line.split_once(" = ").is_some_and(|(name, _)| {
+            !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+        })
+    };
+    source[start..end]
         .lines()
         .map(|line| {
-            line.strip_prefix("//!")
+            let line = line
+                .strip_prefix("//!")
                 .unwrap()
                 .strip_prefix(' ')
-                .unwrap_or("")
+                .unwrap_or("");
+            match line.strip_prefix("# ") {
+                Some(option) if commented && is_option(option) => option,
+                _ => line,
+            }
         })
         .collect::<Vec<_>>()
-        .join("\n");
+        .join("\n")
+}
+
+/// The file of the module docs is a valid configuration.
+#[cfg(all(feature = "redis", feature = "axum"))]
+#[test]
+fn the_documented_file_is_valid() {
+    let text = documented_file(false);
     let config = Config::from_toml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
-    assert_eq!(config.rules.len(), 2);
+    assert_eq!(config.rules.len(), 4);
     assert!(config.concurrency.is_some() && config.shed.is_some());
+}
+
+/// One step into a TOML value.
+#[derive(Clone, Debug)]
+enum Step {
+    Key(String),
+    Index(usize),
+}
+
+fn value_at<'v>(value: &'v toml::Value, at: &[Step]) -> &'v toml::Value {
+    at.iter().fold(value, |value, step| match step {
+        Step::Key(key) => &value[key.as_str()],
+        Step::Index(i) => &value[*i],
+    })
+}
+
+/// The fields of the struct that the table at `at` is read into, learnt from the error of
+/// reading it with one more field; `None` for a map (whose keys are names, not fields).
+fn fields_of(root: &toml::Value, at: &[Step]) -> Option<Vec<String>> {
+    let mut probed = root.clone();
+    let mut table = &mut probed;
+    for step in at {
+        table = match step {
+            Step::Key(key) => table.get_mut(key.as_str()),
+            Step::Index(i) => table.get_mut(*i),
+        }
+        .unwrap();
+    }
+    let probe = "zzz_probe";
+    table
+        .as_table_mut()
+        .unwrap()
+        .insert(probe.into(), toml::Value::Integer(0));
+    let error = probed.try_into::<Config>().err()?.to_string();
+    let unknown = format!("unknown field `{probe}`");
+    let line = error.lines().find(|line| line.contains(&unknown))?;
+    let expected = line.find("expected").map_or("", |at| &line[at..]);
+    Some(
+        expected
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect(),
+    )
+}
+
+/// The options of the configuration's schema that none of `texts` sets, sorted, each as the
+/// path of a table of its struct (`store.pool_size`, `rules[].tiers.timeout`,
+/// `keys.*.binding`). The schema is not listed here: each table is asked for the fields of
+/// its struct, so a field added to the schema is missing until the texts set it. A struct's
+/// fields may be set in any of its tables (a policy's `window` in a rule or in a tier); a
+/// struct none of the texts has shows as its missing field in its parent.
+fn options_missing(texts: &[&str]) -> Vec<String> {
+    use std::collections::{BTreeMap, BTreeSet};
+    let join = |shape: &str, name: &str| {
+        if shape.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{shape}.{name}")
+        }
+    };
+    // By struct (its fields): the first path of a table of it, and the fields set there.
+    let mut structs: BTreeMap<Vec<String>, (String, BTreeSet<String>)> = BTreeMap::new();
+    for text in texts {
+        let root =
+            toml::Value::Table(toml::from_str(text).unwrap_or_else(|e| panic!("{e}\n{text}")));
+        let mut tables = vec![(String::new(), Vec::new())];
+        while let Some((shape, at)) = tables.pop() {
+            let fields = fields_of(&root, &at);
+            let table = value_at(&root, &at).as_table().unwrap();
+            let is_struct = fields.is_some();
+            if let Some(fields) = fields {
+                let (first, set) = structs
+                    .entry(fields)
+                    .or_insert_with(|| (shape.clone(), BTreeSet::new()));
+                if shape < *first {
+                    first.clone_from(&shape);
+                }
+                set.extend(table.keys().cloned());
+            }
+            for (name, child) in table {
+                let shape = join(&shape, if is_struct { name } else { "*" });
+                let mut at = at.clone();
+                at.push(Step::Key(name.clone()));
+                match child {
+                    toml::Value::Table(_) => tables.push((shape, at)),
+                    toml::Value::Array(items) => {
+                        for (i, item) in items.iter().enumerate() {
+                            if item.is_table() {
+                                let mut at = at.clone();
+                                at.push(Step::Index(i));
+                                tables.push((format!("{shape}[]"), at));
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    assert!(structs.len() > 1, "no struct found: {structs:?}");
+    let mut missing: Vec<_> = structs
+        .iter()
+        .flat_map(|(fields, (shape, set))| {
+            fields
+                .iter()
+                .filter(|field| !set.contains(*field))
+                .map(|field| join(shape, field))
+        })
+        .collect();
+    missing.sort();
+    missing
+}
+
+/// The file of the module docs shows every option of the schema (set, or commented out where
+/// it cannot be set with the others).
+#[test]
+fn the_documented_file_shows_every_option() {
+    assert_eq!(
+        options_missing(&[&documented_file(true)]),
+        Vec::<String>::new()
+    );
+    // The check finds what a file leaves out, down to the fields of nested tables.
+    let missing = options_missing(&[&documented_file(false)]);
+    assert_eq!(
+        missing,
+        [
+            "shed.latency",
+            "store.cluster",
+            "store.max_keys",
+            "store.shards"
+        ]
+    );
+    let fewer = options_missing(&[r#"
+        [store]
+        kind = "memory"
+        [[rules]]
+        name = "r"
+        policies = [{ algorithm = "gcra", rate = "1/s" }]
+        tiers = { resolver = "x", plans = [{ name = "p", policies = [] }] }
+        "#]);
+    for path in [
+        "keys",
+        "store.pool_size",
+        "rules[].methods",
+        "rules[].policies[].burst",
+        "rules[].tiers.timeout",
+    ] {
+        assert!(fewer.contains(&path.to_owned()), "{path} in {fewer:?}");
+    }
+    assert!(
+        !fewer.contains(&"rules[].tiers.plans[].name".to_owned()),
+        "{fewer:?}"
+    );
 }
 
 /// Absurd key graphs are refused quickly with a clear error: a cycle, too many parts, and a

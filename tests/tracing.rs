@@ -23,7 +23,7 @@ use tracing_subscriber::{Layer, Registry};
 
 use tollgate::clock::TokioClock;
 use tollgate::key::Header;
-use tollgate::limiter::{MissingKey, Rule};
+use tollgate::limiter::{MissingKey, Rule, Tiers};
 use tollgate::shed::{Criticality, Limit};
 use tollgate::store::ResilientStore;
 use tollgate::telemetry::KeyTrace;
@@ -374,6 +374,77 @@ async fn store_failures_and_the_breaker_at_their_levels() {
     for c in capture.all() {
         if format!("{c:?}").contains("alice") {
             assert!(c.span && c.level == Level::DEBUG, "{c:?}");
+        }
+    }
+}
+
+/// A tier resolver that gives no answer (an error, a panic, a timeout) is a WARN naming the
+/// rule and why, outside the decision span; the resolver's error text, which may hold the key,
+/// only at DEBUG.
+#[tokio::test(start_paused = true)]
+async fn a_failing_tier_resolver_is_a_warn_without_the_key() {
+    use tollgate::store::BoxError;
+    let capture = Capture::default();
+    let _subscriber = capture.install(LevelFilter::TRACE);
+    let resolver = |key: String| async move {
+        match key.as_str() {
+            "alice-err" => Err::<Option<String>, BoxError>(format!("no plan row for {key}").into()),
+            "alice-panic" => panic!("the resolver panicked on {key}"),
+            _ => {
+                std::future::pending::<()>().await;
+                Ok(None)
+            }
+        }
+    };
+    let tiers = Tiers::new(resolver)
+        .tier("free", [minute(100, "free")])
+        .timeout(Duration::from_millis(100));
+    let layer = RateLimitLayer::builder(MemoryStore::with_clock(TokioClock::new()))
+        .rule(
+            Rule::new("plan")
+                .key(Header::from_static("x-user"))
+                .tiers(tiers),
+        )
+        .build()
+        .unwrap();
+    let service = ServiceBuilder::new().layer(layer).service(ok_service());
+    for key in ["alice-err", "alice-panic", "alice-slow"] {
+        let response = service.clone().oneshot(get(&[("x-user", key)])).await;
+        assert_eq!(response.unwrap().status(), StatusCode::OK, "{key}");
+    }
+
+    let fallbacks = capture.named("tollgate.tier_fallback");
+    let seen: Vec<_> = fallbacks
+        .iter()
+        .map(|e| (e.level, e.field("rule"), e.field("reason")))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            (Level::WARN, Some("plan"), Some("error")),
+            (Level::WARN, Some("plan"), Some("panic")),
+            (Level::WARN, Some("plan"), Some("timeout")),
+        ]
+    );
+    for event in &fallbacks {
+        assert_eq!(event.field("error"), None);
+        assert_eq!(event.parent, None);
+    }
+    let errors = capture.named("tollgate.tier_fallback.error");
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0].level, Level::DEBUG);
+    assert_eq!(errors[0].field("rule"), Some("plan"));
+    assert!(
+        errors[0]
+            .field("error")
+            .unwrap()
+            .contains("no plan row for alice-err"),
+        "{errors:?}"
+    );
+    // The key shows in the resolver's error text, at DEBUG, and nowhere above it.
+    for c in capture.all() {
+        if format!("{c:?}").contains("alice") {
+            assert!(c.level >= Level::DEBUG, "{c:?}");
         }
     }
 }

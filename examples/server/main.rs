@@ -1,5 +1,11 @@
 //! `cargo run --example server -- --config examples/server/tollgate.toml`
 //!
+//! On Redis (the limits shared by several instances): `kind = "redis"` and a `url` in the
+//! file's `[store]` (its comments show how), and tollgate's feature `redis`:
+//! `cargo run --example server --features redis -- --config my-tollgate.toml`. Without the
+//! feature, such a file is refused at start (`store.kind: the Redis store needs tollgate's
+//! feature `redis``).
+//!
 //! A small API protected entirely by a configuration file (`examples/server/tollgate.toml`):
 //! load shedding, rate limits per client address, per API key and plan, per user, and a
 //! concurrency limit on exports. It serves:
@@ -475,7 +481,8 @@ mod tests {
         let dashboard = std::fs::read_to_string(format!("{dir}grafana.json")).unwrap();
         serde_json::from_str::<serde_json::Value>(&dashboard).unwrap();
         let mut used = 0;
-        for text in [&alerts, &dashboard] {
+        let mut on_dashboard = std::collections::BTreeSet::new();
+        for (text, is_dashboard) in [(&alerts, false), (&dashboard, true)] {
             for (at, _) in text.match_indices("tollgate_") {
                 let name: String = text[at..]
                     .chars()
@@ -484,6 +491,9 @@ mod tests {
                 let base = name.strip_suffix("_bucket").unwrap_or(&name);
                 let metric = tollgate::metrics::ALL.iter().find(|m| m.name == base);
                 assert!(metric.is_some(), "{name} is not a documented metric");
+                if is_dashboard {
+                    on_dashboard.insert(base.to_owned());
+                }
                 // The labels grouped by or matched on are the metric's own.
                 let rest = &text[at + name.len()..];
                 if let Some(selector) = rest.strip_prefix('{') {
@@ -500,6 +510,44 @@ mod tests {
             }
         }
         assert!(used > 20);
+        // The dashboard shows every metric tollgate records.
+        let missing: Vec<_> = tollgate::metrics::ALL
+            .iter()
+            .map(|m| m.name)
+            .filter(|name| !on_dashboard.contains(*name))
+            .collect();
+        assert!(missing.is_empty(), "not on the dashboard: {missing:?}");
+    }
+
+    /// The Redis store that the shipped file shows in comments, put in place of the memory
+    /// store as the comments say, makes a valid configuration (with feature `redis`).
+    #[cfg(feature = "redis")]
+    #[test]
+    fn the_shipped_file_on_redis_is_valid() {
+        let shipped = include_str!("tollgate.toml");
+        let is_option = |line: &str| {
+            line.split_once(" = ").is_some_and(|(name, _)| {
+                !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')
+            })
+        };
+        let mut in_store = false;
+        let mut on_redis = String::new();
+        for line in shipped.lines() {
+            if line.starts_with('[') {
+                in_store = line == "[store]";
+            }
+            let line = match line.strip_prefix("# ") {
+                Some(option) if in_store && is_option(option) => option,
+                _ if in_store && is_option(line) => continue, // the memory store's lines
+                _ => line,
+            };
+            on_redis.push_str(line);
+            on_redis.push('\n');
+        }
+        let config = Config::from_toml(&on_redis).unwrap_or_else(|e| panic!("{e}\n{on_redis}"));
+        assert_eq!(config.store.kind, tollgate::config::StoreKind::Redis);
+        assert_eq!(config.store.instances, Some(3));
+        assert_eq!(config.store.deny_cache, Some(10_000));
     }
 
     fn hang_up() {

@@ -30,47 +30,62 @@
 //!
 //! # The file
 //!
-//! Every section is optional; what a file leaves out keeps its default.
+//! Every section is optional; what a file leaves out keeps its default. This file sets every
+//! option there is (a test keeps it so); the lines commented out are options that cannot be
+//! set together with the ones above them.
 //!
 //! ```toml
-//! trace_keys = "hashed"             # the DEBUG decision span: "none" (default), "hashed", "plain"
+//! trace_keys = "hashed"             # keys in the DEBUG decision span: "none" (default), "hashed", "plain"
 //!
 //! [store]
 //! kind = "redis"                    # "memory" (the default) or "redis" (feature `redis`)
 //! name = "shared"                   # the `store` label of its metrics
-//! url = "redis://127.0.0.1:6379"    # or cluster = ["10.0.0.1:6379", "10.0.0.2:6379"]
-//! prefix = "rl:"
+//! url = "redis://127.0.0.1:6379"    # rediss:// for TLS
+//! # cluster = ["10.0.0.1:6379", "10.0.0.2:6379"]   # Redis Cluster's seed nodes, instead of url
+//! prefix = "rl:"                    # of every key name in Redis
+//! pool_size = 4                     # connections
 //! timeout = "50ms"                  # a slower answer is a failure
 //! on_failure = "local"              # "closed" (503, the default), "open" or "local"
 //! instances = 4                     # "local" divides each limit among this many instances
-//! breaker = { failures = 5, open_for = "2s" }
-//! # memory only: max_keys = 100000, shards = 64; both: max_key_len = 256
+//! breaker = { failures = 5, open_for = "2s" }      # stop waiting on a dead Redis
+//! deny_cache = 10000                # refused keys answered in process until their reset (0: off)
+//! max_key_len = 256                 # longer keys are hashed (both kinds)
+//! # max_keys = 100000               # kind = "memory" only: the (key, policy) pairs kept
+//! # shards = 64                     # kind = "memory" only: a power of two
 //!
 //! [keys.client]                     # a named key extractor, for rules to use
 //! kind = "forwarded"                # global, peer_ip, forwarded, header, any_of, all_of, custom
-//! trusted = ["10.0.0.0/8", "fd00::/8"]
+//! trusted = ["10.0.0.0/8", "fd00::/8"]             # the proxies believed
 //! rfc7239 = false                   # true reads `Forwarded` instead of `X-Forwarded-For`
-//! ipv6_prefix = 64
+//! ipv4_prefix = 32                  # peer_ip, forwarded: one key per address (24: per /24)
+//! ipv6_prefix = 64                  # one key per /64 (the default)
 //!
 //! [keys.api_key]
 //! kind = "header"
 //! header = "x-api-key"
 //!
 //! [keys.caller]
-//! kind = "any_of"                   # the API key, else the client's address
+//! kind = "any_of"                   # the API key, else the client's address (all_of: both)
 //! of = ["api_key", "client"]
 //!
+//! [keys.tenant]
+//! kind = "custom"                   # found in code: Bindings::key
+//! binding = "tenant"
+//!
 //! [answers]
-//! headers = "ietf"                  # "ietf", "legacy", "both" or "off"
-//! unavailable_retry_after = "2s"
+//! headers = "ietf"                  # "ietf" (the default), "legacy", "both" or "off"
+//! legacy_reset = "delta_seconds"    # legacy X-RateLimit-Reset: or "unix_seconds"
+//! unavailable_retry_after = "2s"    # the Retry-After of a 503 when the store fails
+//! decision_extension = false        # true: an admitted request's decision in its extensions
 //!
 //! [[rules]]
 //! name = "search"
-//! methods = ["GET"]
-//! path_prefix = "/search"           # or path = "/exact", or route = "/users/{id}"
-//! key = "caller"
-//! cost = 5
-//! on_missing_key = "skip"           # or a status: 401
+//! methods = ["GET"]                 # GET covers HEAD too...
+//! exact_methods = false             # ...unless the methods are to be taken exactly
+//! path_prefix = "/search"           # by whole segments; or path, or route (below)
+//! key = "caller"                    # a name from [keys], or "global" (the default), "peer_ip"
+//! cost = 5                          # units per request (1 unless set)
+//! on_missing_key = "skip"           # or a status: 401 (500 unless set)
 //! shadow = false                    # true: decide and report, never refuse
 //! policies = [
 //!   { algorithm = "token_bucket", rate = "100/minute", burst = 50 },
@@ -78,14 +93,31 @@
 //! ]
 //!
 //! [[rules]]
+//! name = "login"
+//! methods = ["POST"]
+//! path = "/login"                   # this exact path
+//! key = "client"
+//! policies = [{ algorithm = "sliding_log", rate = "5 per 15m" }]
+//!
+//! [[rules]]
+//! name = "documents"
+//! route = "/documents/{id}"         # an axum route template (feature `axum`)
+//! key = "tenant"
+//! policies = [
+//!   { algorithm = "sliding_window", limit = 600, window = "1m" },
+//!   { algorithm = "leaky_bucket", rate = "20/s", burst = 40 },
+//! ]
+//!
+//! [[rules]]
 //! name = "plan"
 //! key = "api_key"
 //! on_missing_key = 401
-//! [rules.tiers]
+//! [rules.tiers]                     # policies by the key's tier, instead of `policies`
 //! resolver = "plans"                # registered in code: Bindings::resolver
-//! keys = { "k-internal" = "pro" }   # or listed here
-//! default = "free"
-//! cache_for = "5m"
+//! keys = { "k-internal" = "pro" }   # or listed here (asked first)
+//! default = "free"                  # for keys placed nowhere (the first plan unless set)
+//! cache_for = "5m"                  # how long an answer is remembered
+//! cache_capacity = 100000           # how many keys' answers
 //! timeout = "1s"                    # a slower resolver: the default tier, this request only
 //! plans = [
 //!   { name = "free", policies = [{ algorithm = "gcra", rate = "60/minute", burst = 10 }] },
@@ -94,16 +126,30 @@
 //!
 //! [concurrency]
 //! name = "in-flight"                # the `layer` label of its metrics
-//! total = 512
-//! queue = { max_waiting = 64, max_wait = "100ms" }
-//! rules = [{ name = "exports", path_prefix = "/export", key = "api_key", max_in_flight = 2 }]
+//! total = 512                       # in flight in all (503 past it)
+//! queue = { max_waiting = 64, max_wait = "100ms" } # a bounded wait for a place
+//! distributed = true                # places counted on the Redis store, across instances
+//! lease_time = "30s"                # a place not renewed for this long is freed
+//! on_store_error = "local"          # Redis failing: "local" (the default), "open" or "closed"
+//! rules = [                         # matched and keyed as rate-limit rules are
+//!   { name = "exports", methods = ["GET"], path_prefix = "/export", key = "api_key", on_missing_key = "skip", max_in_flight = 2 },
+//!   { name = "uploads", path = "/upload", key = "tenant", max_in_flight = 4 },
+//!   { name = "reports", route = "/reports/{id}", max_in_flight = 8 },
+//! ]
 //!
 //! [shed]
-//! limit = "vegas"                   # "fixed", "vegas" or "aimd" (with latency = "250ms")
-//! initial = 100
+//! name = "front"                    # the `layer` label of its metrics
+//! limit = "vegas"                   # "fixed", "vegas" (adaptive, the usual choice) or "aimd"
+//! initial = 100                     # fixed: the limit; adaptive: where it starts
+//! min = 10                          # adaptive: the bounds (1 and 1000 unless set)
 //! max = 1000
-//! class_header = "x-criticality"
+//! # latency = "250ms"               # limit = "aimd" only: the latency above which it shrinks
+//! class_header = "x-criticality"    # critical_plus, critical, sheddable_plus, sheddable
+//! shares = { sheddable = 0.6, sheddable_plus = 0.75 }   # each class shed from this share of capacity
+//! fair_by = "tenant"                # fair shares among the tenants of this key...
+//! fair_from = 0.8                   # ...from this share of capacity
 //! queue = { max_waiting = 100, max_wait = "50ms" }
+//! deadline_header = "grpc-timeout"  # clients' declared timeouts, never waited past (with a queue)
 //! ```
 //!
 //! Durations are written with units and may be summed: `"500ms"`, `"15m"`, `"1h30m"`,
@@ -118,6 +164,20 @@
 //! `keys.client.trusted[1]: not a network: "10.0.0.0/33"`, `rules[0].polices: unknown field`.
 //! Unknown fields are errors everywhere (a misspelt option never silently does nothing). A
 //! file that is not TOML at all reports its syntax error with the line.
+//!
+//! The check has two phases, and the report lists the problems of the first, then those of
+//! the second:
+//!
+//! 1. **Reading**: every unknown field and every value of the wrong type (each is set aside
+//!    and the rest read again, so one does not hide the next).
+//! 2. **Values**: what was read is checked whole (limits, names, networks, routes, keys named
+//!    but not declared, the overload layers' bounds). After reading problems, this still runs
+//!    on the rest of the file, but leaves out the parts a value set aside could have changed,
+//!    whose problems would only echo it: the rule (`rules[1]`), the key (`keys.client`) or the
+//!    section (`[shed]`, `[answers]`, ...) that held it. A reading problem in `[store]` also
+//!    leaves out the rules and `[concurrency]` (the store decides what runs on Redis), and
+//!    one that sets aside a whole key, or `[keys]`, leaves out every value check (keys are
+//!    named from every section). Those parts are checked once their reading problem is fixed.
 //!
 //! # From code, and back
 //!
@@ -254,6 +314,12 @@ impl Problems {
         }
     }
 
+    fn push(&mut self, error: ConfigError) {
+        if self.0.len() < MAX_REPORTED {
+            self.0.push(error);
+        }
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -273,7 +339,8 @@ impl Config {
     ///
     /// Type errors and unknown fields are all reported (each field in error is set aside and
     /// the rest read again, up to 100 problems); the values are then checked (see
-    /// [`Config::validate`]).
+    /// [`Config::validate`]), those of the parts of the file that the fields set aside could
+    /// have changed excepted (see the [module docs](crate::config#errors)).
     pub fn from_toml(text: &str) -> Result<Config, ConfigErrors> {
         if text.len() > MAX_FILE_LEN {
             return Err(ConfigErrors::one(
@@ -290,6 +357,7 @@ impl Config {
         // How often each path failed: a value set aside may leave its parent failing at the
         // same path (an array item needs fields); then the parent is set aside.
         let mut failed: std::collections::HashMap<String, usize> = Default::default();
+        let mut set_aside = SetAside::default();
         let config = loop {
             let value = toml::Value::Table(table.clone());
             match serde_path_to_error::deserialize::<_, Config>(value) {
@@ -308,22 +376,35 @@ impl Config {
                     let aside = ancestor(&path, *times - 1);
                     // Set the field aside and read the rest, so that every problem shows;
                     // stop when nothing can be set aside.
-                    if problems.0.len() >= MAX_REPORTED
-                        || failed.len() > 2 * MAX_REPORTED
-                        || !remove_at(&mut table, aside)
-                    {
+                    if problems.0.len() >= MAX_REPORTED || failed.len() > 2 * MAX_REPORTED {
                         break None;
+                    }
+                    match remove_at(&mut table, aside) {
+                        Some(removed) => set_aside.note(&removed),
+                        None => break None,
                     }
                 }
             }
         };
-        match config {
-            Some(config) if problems.is_empty() => {
-                config.check()?;
-                Ok(config)
-            }
-            _ => Err(ConfigErrors(problems.0)),
+        let Some(config) = config else {
+            return Err(ConfigErrors(problems.0));
+        };
+        if problems.is_empty() {
+            config.check()?;
+            return Ok(config);
         }
+        // The rest of the file, read with the bad values set aside, has its values checked
+        // too; the problems of the parts a value set aside could have changed are left out
+        // (they could be its echo: a rule whose misspelt `polices` was set aside has no
+        // policies).
+        if let Err(values) = config.check() {
+            for error in values.0 {
+                if !set_aside.touches(&error.path) {
+                    problems.push(error);
+                }
+            }
+        }
+        Err(ConfigErrors(problems.0))
     }
 
     /// Reads a TOML configuration file ([`Config::from_toml`]).
@@ -369,13 +450,13 @@ impl Config {
 }
 
 /// Removes the value at `path` (`rules[2].policies[0].window`) from `table`, or its
-/// innermost existing parent's entry; whether anything was removed.
-fn remove_at(table: &mut toml::Table, path: &str) -> bool {
-    let steps = split_path(path);
-    if steps.is_empty() {
-        return false;
-    }
-    remove_steps(table, &steps)
+/// innermost existing parent's entry; the steps that lead to what was removed, if anything
+/// was.
+fn remove_at<'p>(table: &mut toml::Table, path: &'p str) -> Option<Vec<Step<'p>>> {
+    let mut steps = split_path(path);
+    let removed = remove_steps(table, &steps)?;
+    steps.truncate(removed);
+    Some(steps)
 }
 
 /// `path` less its last `up` steps (`a[1].b` up 1 is `a[1]`, up 2 is `a`).
@@ -426,41 +507,73 @@ fn split_path(path: &str) -> Vec<Step<'_>> {
     steps
 }
 
-fn remove_steps(table: &mut toml::Table, steps: &[Step<'_>]) -> bool {
-    let Some((Step::Key(first), rest)) = steps.split_first() else {
-        return false;
+/// Removes what `steps` lead to in `table` (or the entry in which they stop leading
+/// anywhere); how many of the steps lead to what was removed.
+fn remove_steps(table: &mut toml::Table, steps: &[Step<'_>]) -> Option<usize> {
+    let (Step::Key(first), rest) = steps.split_first()? else {
+        return None;
     };
     if rest.is_empty() {
-        return table.remove(*first).is_some();
+        return table.remove(*first).map(|_| 1);
     }
-    let Some(child) = table.get_mut(*first) else {
-        return false;
-    };
-    if remove_in(child, rest) {
-        return true;
+    let child = table.get_mut(*first)?;
+    if let Some(removed) = remove_in(child, rest) {
+        return Some(removed + 1);
     }
     // The path ends inside a value that cannot be walked: drop the whole entry.
-    table.remove(*first).is_some()
+    table.remove(*first).map(|_| 1)
 }
 
-fn remove_in(value: &mut toml::Value, steps: &[Step<'_>]) -> bool {
+fn remove_in(value: &mut toml::Value, steps: &[Step<'_>]) -> Option<usize> {
     match (value, steps.split_first()) {
         (toml::Value::Table(table), Some((Step::Key(_), _))) => remove_steps(table, steps),
         (toml::Value::Array(items), Some((Step::Index(i), rest))) => {
+            let item = items.get_mut(*i)?;
             if rest.is_empty() {
-                if *i < items.len() {
-                    // Keep the indices of the items after it (their paths stay right).
-                    items[*i] = toml::Value::Table(toml::Table::new());
-                    return true;
-                }
-                return false;
+                // Keep the indices of the items after it (their paths stay right).
+                *item = toml::Value::Table(toml::Table::new());
+                return Some(1);
             }
-            match items.get_mut(*i) {
-                Some(item) => remove_in(item, rest),
-                None => false,
-            }
+            remove_in(item, rest).map(|removed| removed + 1)
         }
-        _ => false,
+        _ => None,
+    }
+}
+
+/// What the values set aside while reading could have changed: the parts of the file whose
+/// value problems are then not reported, since they may only echo the reading problem.
+#[derive(Debug, Default)]
+struct SetAside {
+    /// Every part: a whole key or `[keys]` went (keys are named from every section).
+    all: bool,
+    /// The paths under which nothing is reported.
+    parts: Vec<String>,
+}
+
+impl SetAside {
+    /// Notes that the value `removed` leads to was set aside.
+    fn note(&mut self, removed: &[Step<'_>]) {
+        match removed {
+            [Step::Key("keys"), Step::Key(name), _, ..] => self.parts.push(format!("keys.{name}")),
+            [Step::Key("rules"), Step::Index(i), ..] => self.parts.push(format!("rules[{i}]")),
+            // The store's kind and timeout shape the checks of the rules' policies (what
+            // Redis can run) and of a distributed concurrency limit.
+            [Step::Key("store"), ..] => {
+                self.parts
+                    .extend(["store", "rules", "concurrency"].map(String::from));
+            }
+            [Step::Key("keys"), ..] | [Step::Index(_), ..] | [] => self.all = true,
+            [Step::Key(section), ..] => self.parts.push((*section).to_owned()),
+        }
+    }
+
+    /// Whether a value problem at `path` may come from what was set aside.
+    fn touches(&self, path: &str) -> bool {
+        self.all
+            || self.parts.iter().any(|part| {
+                path.strip_prefix(part.as_str())
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+            })
     }
 }
 

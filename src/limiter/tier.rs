@@ -276,6 +276,8 @@ impl Tiers {
             )
         };
         TierLookup {
+            #[cfg(feature = "tracing")]
+            rule: rule.into(),
             hits: cache_metric("hit"),
             misses: cache_metric("miss"),
             resolver: self.resolver,
@@ -309,6 +311,9 @@ impl fmt::Debug for Tiers {
 
 /// The tiers of a built rule: the resolver, the names (index = tier), and the cache.
 pub(crate) struct TierLookup {
+    /// The rule's name, for the events that say it fell back to its default tier.
+    #[cfg(feature = "tracing")]
+    rule: Box<str>,
     resolver: Arc<dyn ErasedResolver>,
     names: Box<[Box<str>]>,
     default: u16,
@@ -367,18 +372,29 @@ impl TierLookup {
     /// failed, panicked or timed out gives the default tier, remembered for nobody.
     pub(crate) fn settle(&self, key: &str, resolution: &Resolution) -> u16 {
         if let Some(reason) = resolution.fallback() {
-            let error = match resolution {
-                Resolution::Failed(e) => Some(e.to_string()),
-                _ => None,
-            };
+            // The resolver's error is its own text, which may hold the key it was asked about
+            // (personal data): the WARN says only which rule and why, the text is DEBUG only.
+            // Not inside the caller's span either (the DEBUG decision span may carry the key).
             crate::telemetry::event!(
                 warn,
                 name: "tollgate.tier_fallback",
+                parent: None,
+                rule = &*self.rule,
                 reason,
-                error = error.as_deref(),
                 "the tier resolver gave no answer: the request counts in the default tier"
             );
-            let _ = error;
+            if let Resolution::Failed(error) = resolution {
+                crate::telemetry::event!(
+                    debug,
+                    name: "tollgate.tier_fallback.error",
+                    parent: None,
+                    rule = &*self.rule,
+                    error = %error,
+                    "the tier resolver's error"
+                );
+                let _ = error;
+            }
+            let _ = reason;
             return self.default;
         }
         match resolution {
