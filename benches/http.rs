@@ -13,6 +13,7 @@ mod apps;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use apps::{governor, governor_with_headers, hello, limited, static_fields};
@@ -177,6 +178,17 @@ fn makers() -> Vec<(&'static str, Maker)> {
             app(ServiceBuilder::new()
                 .layer(governor_with_headers())
                 .service(hello().into_service::<Body>()))
+        }),
+        // What any layer with shared state pays under `Router::layer`, where axum clones the
+        // route's service for every request: the no-op layer, holding an `Arc`.
+        ("no-op layer holding an Arc", || {
+            let shared = Arc::new(0_u64);
+            app(hello().layer(tower::util::MapRequestLayer::new(
+                move |r: Request<Body>| {
+                    std::hint::black_box(&shared);
+                    r
+                },
+            )))
         }),
     ]
 }

@@ -1,31 +1,31 @@
 //! The locks and atomics that the in-process store, the concurrency permits and the shedder
 //! share between threads, from one place: `parking_lot`'s mutex and the standard atomics in
-//! every build, and [shuttle]'s when the crate is built with `--cfg tollgate_shuttle`, so that
-//! shuttle's scheduler can explore the interleavings of their callers (the model checks in
-//! those modules' `shuttle` tests; `bash scripts/model-check` runs them).
+//! every build, and [shuttle]'s when the crate's own tests are built with
+//! `--cfg tollgate_shuttle`, so that shuttle's scheduler can explore the interleavings of
+//! their callers (the modules' `model_checks` tests; `bash scripts/model-check` runs them).
 //!
 //! [shuttle]: https://docs.rs/shuttle
 
-#[cfg(not(tollgate_shuttle))]
+#[cfg(not(all(test, tollgate_shuttle)))]
 pub(crate) use parking_lot::{Mutex, MutexGuard};
-#[cfg(not(tollgate_shuttle))]
+#[cfg(not(all(test, tollgate_shuttle)))]
 pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize};
 /// The hasher that places keys in shards: seeded at random, so that no client can aim its keys
 /// at one shard (fixed under the model checks, whose runs must place keys alike to replay).
-#[cfg(not(tollgate_shuttle))]
+#[cfg(not(all(test, tollgate_shuttle)))]
 pub(crate) type HashState = foldhash::fast::RandomState;
-#[cfg(tollgate_shuttle)]
+#[cfg(all(test, tollgate_shuttle))]
 pub(crate) type HashState = foldhash::fast::FixedState;
 
-#[cfg(tollgate_shuttle)]
+#[cfg(all(test, tollgate_shuttle))]
 #[allow(unused_imports)] // The store names the guard, and only it.
 pub(crate) use model::{Mutex, MutexGuard};
-#[cfg(tollgate_shuttle)]
+#[cfg(all(test, tollgate_shuttle))]
 pub(crate) use shuttle::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize};
 
 /// shuttle's mutex behind `parking_lot`'s interface (no poisoning: a panic fails the model
 /// check anyway).
-#[cfg(tollgate_shuttle)]
+#[cfg(all(test, tollgate_shuttle))]
 mod model {
     use std::sync::PoisonError;
 

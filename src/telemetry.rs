@@ -37,7 +37,10 @@
 //! [`RateLimitLayerBuilder::trace_keys`](crate::http::RateLimitLayerBuilder::trace_keys):
 //! [`KeyTrace::Hashed`] (a short hash that tells keys apart and is the same in every process)
 //! or [`KeyTrace::Plain`]. Text that tollgate does not write is kept at DEBUG too: a tier
-//! resolver's error (`tollgate.tier_fallback.error`) may name the key it was asked about.
+//! resolver's error (`tollgate.tier_fallback.error`) may name the key it was asked about. A
+//! resolver that panics is caught, but the process's panic hook still prints its message
+//! first (the standard hook to stderr; some hooks log it at ERROR): a resolver should not put
+//! the key in a panic message.
 //!
 //! The decision span is made only while some subscriber wants DEBUG (`tracing`'s global
 //! maximum level, one relaxed load), and then with `debug_span!`, whose callsite's cached

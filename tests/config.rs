@@ -324,6 +324,25 @@ policies = [{ algorithm = "gcra", rate = "ten per second", burst = 5 }]
 /// (a rule whose misspelt `polices` went has no policies; a store whose kind went is a
 /// memory store with a Redis URL).
 #[test]
+fn a_required_field_of_the_wrong_type_is_one_problem_not_two() {
+    // Set aside for its type, a required field would leave its parent "missing" it: that echo
+    // is not a second problem.
+    let errors = Config::from_toml(
+        r#"
+        [[rules]]
+        name = "r"
+        policies = [{ algorithm = 5, limit = 10, window = "1m" }]
+        "#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        ["rules[0].policies[0].algorithm"],
+        "{errors}"
+    );
+}
+
+#[test]
 fn reading_problems_do_not_hide_value_problems() {
     let errors = Config::from_toml(
         r#"

@@ -886,7 +886,9 @@ impl Shared {
         if let Some(total) = &self.total {
             let taken = total
                 .count
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                // SeqCst, as the waiters count: a release must see a waiter that found no place,
+                // or the waiter the place given back.
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
                     (n < total.max).then_some(n + 1)
                 });
             if taken.is_err() {
@@ -914,7 +916,7 @@ impl Shared {
     fn release(&self, places: &[Place]) {
         self.release_keys(places);
         if let Some(total) = &self.total {
-            total.count.fetch_sub(1, Ordering::AcqRel);
+            total.count.fetch_sub(1, Ordering::SeqCst);
             self.in_flight.total_released();
         }
     }

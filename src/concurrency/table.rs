@@ -68,8 +68,9 @@ impl InFlight {
     /// `deadline` has passed (no deadline: it waits as long as it takes).
     ///
     /// Each try comes after the request counted itself among the waiters and registered its
-    /// wake-up, so that a place given back between a failed try and the wait still wakes it
-    /// (checked for every interleaving by the model checks below).
+    /// wake-up for the place it lacked, so that a place given back between a failed try and
+    /// the wait still wakes it; refused for another place than that one, it registers again
+    /// before it waits (the model checks below run this in many interleavings).
     pub(crate) async fn wait_for<S, T, E>(
         &self,
         state: &mut S,
@@ -81,7 +82,8 @@ impl InFlight {
         loop {
             self.waiters.fetch_add(1, Ordering::SeqCst);
             let _waiting = Waiting(&self.waiters);
-            let freed = match on(state, refusal) {
+            let waits_on = on(state, refusal);
+            let freed = match waits_on {
                 Some(hash) => &self.wakers[self.shard_index(hash)],
                 None => &self.total_waker,
             };
@@ -90,6 +92,11 @@ impl InFlight {
             match take(state) {
                 Ok(taken) => return Some(taken),
                 Err(again) => *refusal = again,
+            }
+            // Refused for another key (or the total cap) than the one it registered for: the
+            // place it lacks now would not wake it; register for that one and try again.
+            if on(state, refusal) != waits_on {
+                continue;
             }
             match deadline {
                 Some(deadline) => {
@@ -273,7 +280,7 @@ mod tests {
 }
 
 /// Model checks (`bash scripts/model-check`, under `--cfg tollgate_shuttle`): shuttle runs the
-/// threads below in every interleaving of the table's locks and atomics (depth first); a
+/// threads below in many interleavings of the table's locks and atomics (its PCT scheduler); a
 /// wake-up lost in one of them leaves a waiter blocked for ever, which shuttle reports as a
 /// deadlock.
 #[cfg(all(test, tollgate_shuttle))]
@@ -328,6 +335,66 @@ mod model_checks {
     #[test]
     fn waiters_are_woken_by_every_place_given_back() {
         shuttle::check_pct(|| hand_over(3), crate::sync::pct_runs(), 3);
+    }
+
+    #[test]
+    fn a_waiter_refused_for_another_key_waits_for_that_one() {
+        shuttle::check_pct(
+            || {
+                // Keys `a` and `b` (in different shards), one place each. The main thread holds
+                // `b`; the waiter needs both, `a` first, and was refused for `b`. Another
+                // request takes `a` and gives it back while `b` comes back: the waiter may be
+                // refused next for `a`, and must then be woken by `a`.
+                let t = Arc::new(InFlight::new());
+                let shard = |key: &str| t.shard_index(t.hash(key));
+                let a = Key::from("a");
+                let b = (0..)
+                    .map(|i| Key::from(format!("b{i}").as_str()))
+                    .find(|b| shard(b.as_str()) != shard("a"))
+                    .unwrap();
+                let (ha, hb) = (t.hash(a.as_str()), t.hash(b.as_str()));
+                assert!(t.acquire(hb, &b, 1));
+                let waiter = {
+                    let (t, a, b) = (Arc::clone(&t), a.clone(), b.clone());
+                    shuttle::thread::spawn(move || {
+                        let mut refusal = hb;
+                        let taken = shuttle::future::block_on(t.wait_for(
+                            &mut (),
+                            &mut refusal,
+                            |_, &lacked| Some(lacked),
+                            |_| {
+                                if !t.acquire(ha, &a, 1) {
+                                    return Err(ha);
+                                }
+                                if !t.acquire(hb, &b, 1) {
+                                    t.release(ha, &a);
+                                    return Err(hb);
+                                }
+                                Ok(())
+                            },
+                            None,
+                        ));
+                        assert!(taken.is_some());
+                        t.release(ha, &a);
+                        t.release(hb, &b);
+                    })
+                };
+                let other = {
+                    let (t, a) = (Arc::clone(&t), a.clone());
+                    shuttle::thread::spawn(move || {
+                        if t.acquire(ha, &a, 1) {
+                            t.release(ha, &a);
+                        }
+                    })
+                };
+                t.release(hb, &b);
+                waiter.join().unwrap();
+                other.join().unwrap();
+                assert_eq!((t.keys(), t.total()), (0, 0));
+            },
+            crate::sync::pct_runs(),
+            3,
+        );
     }
 
     #[test]

@@ -358,6 +358,8 @@ impl Config {
         // same path (an array item needs fields); then the parent is set aside.
         let mut failed: std::collections::HashMap<String, usize> = Default::default();
         let mut set_aside = SetAside::default();
+        // The paths set aside.
+        let mut removed: Vec<String> = Vec::new();
         let config = loop {
             let value = toml::Value::Table(table.clone());
             match serde_path_to_error::deserialize::<_, Config>(value) {
@@ -368,8 +370,20 @@ impl Config {
                     let message = e.into_inner().to_string();
                     // The path is given already; TOML's own suffix repeats it.
                     let message = message.split("\nin `").next().unwrap_or_default();
+                    // A required field set aside leaves its parent missing it: an echo.
+                    let echo = message
+                        .strip_prefix("missing field `")
+                        .and_then(|rest| rest.split('`').next())
+                        .is_some_and(|field| {
+                            let full = if path.is_empty() {
+                                field.to_owned()
+                            } else {
+                                format!("{path}.{field}")
+                            };
+                            removed.contains(&full)
+                        });
                     let times = failed.entry(path.clone()).or_insert(0);
-                    if *times == 0 {
+                    if *times == 0 && !echo {
                         problems.add(path.clone(), message.trim());
                     }
                     *times += 1;
@@ -380,7 +394,10 @@ impl Config {
                         break None;
                     }
                     match remove_at(&mut table, aside) {
-                        Some(removed) => set_aside.note(&removed),
+                        Some(steps) => {
+                            set_aside.note(&steps);
+                            removed.push(aside.to_owned());
+                        }
                         None => break None,
                     }
                 }

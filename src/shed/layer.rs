@@ -909,7 +909,7 @@ impl Shared {
 }
 
 /// Model checks (`bash scripts/model-check`, under `--cfg tollgate_shuttle`): shuttle runs the
-/// threads below in every interleaving of the shedder's locks and atomics (depth first). A
+/// threads below in many interleavings of the shedder's locks and atomics (its PCT scheduler). A
 /// request left waiting in the queue while a place is free (a place handed to nobody) fails
 /// them, as does any place not given back in the end.
 #[cfg(all(test, tollgate_shuttle))]
@@ -934,6 +934,7 @@ mod model_checks {
     }
 
     /// Admits a request: served at once (and answered, and gone), or its wait in the queue.
+    /// With room in the queue for every arrival, none is shed.
     fn arrive(shared: &Arc<Shared>) -> Option<Pending> {
         let parts = http::Request::new(()).into_parts().0;
         match shared.admit(&parts) {
@@ -942,7 +943,7 @@ mod model_checks {
                 None
             }
             Ok(Admitted::Later(wait)) => Some(wait),
-            Err(_) => None,
+            Err(shed) => panic!("shed ({}) with room in the queue", shed.reason.as_str()),
         }
     }
 

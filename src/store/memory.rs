@@ -1952,8 +1952,8 @@ mod tests {
 }
 
 /// Model checks (`bash scripts/model-check`, under `--cfg tollgate_shuttle`): shuttle runs the
-/// threads below in every interleaving of their locks and atomics (depth first), and each
-/// interleaving must end deadlock-free with exact totals.
+/// threads below in many interleavings of their locks and atomics (its PCT scheduler), and
+/// each must end deadlock-free with exact totals.
 #[cfg(all(test, tollgate_shuttle))]
 mod model_checks {
     use std::collections::HashMap;
@@ -2032,7 +2032,7 @@ mod model_checks {
     #[test]
     fn stacks_in_opposite_orders_take_all_or_nothing() {
         // Two stacks name two keys in opposite orders (a deadlock if each locked its shards in
-        // its own order), and the limit admits one of them: every interleaving.
+        // its own order), and the limit admits one of them.
         shuttle::check_pct(|| run_stacks(&[&[0, 1], &[1, 0]], 2, 1), pct_runs(), 3);
     }
 

@@ -392,6 +392,8 @@ impl<S> Shared<S> {
             self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
         }
         self.telemetry.error(error);
+        // Without the `tracing` feature both events are nothing.
+        #[cfg_attr(not(feature = "tracing"), allow(clippy::if_same_then_else))]
         if self.warn_now() {
             crate::telemetry::event!(
                 warn,
