@@ -94,8 +94,12 @@ impl InFlight {
                 Err(again) => *refusal = again,
             }
             // Refused for another key (or the total cap) than the one it registered for: the
-            // place it lacks now would not wake it; register for that one and try again.
+            // place it lacks now would not wake it; register for that one and try again (while
+            // time is left: others taking and giving back places could keep it turning).
             if on(state, refusal) != waits_on {
+                if deadline.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
+                    return None;
+                }
                 continue;
             }
             match deadline {
