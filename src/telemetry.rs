@@ -22,8 +22,8 @@
 //! | `tollgate.breaker.opened` | event | WARN | `store`, `open_for` | the breaker of a `ResilientStore` opened (a run of failures, or a failed probe) |
 //! | `tollgate.breaker.half_open` | event | DEBUG | `store` | the breaker lets one probe through |
 //! | `tollgate.breaker.closed` | event | INFO | `store` | the breaker closed: the store answers again |
-//! | `tollgate.tier_fallback` | event | WARN | `rule`, `reason` | a rule's tier resolver gave no answer and the request was counted in the default tier, remembered for nobody: `reason` is `error` (the resolver's answer was an `Err`), `panic` or `timeout` ([`Tiers::timeout`](crate::limiter::Tiers::timeout)). One per request that fell back. Without the resolver's error text, which may hold the key |
-//! | `tollgate.tier_fallback.error` | event | DEBUG | `rule`, `error` | the text of that `Err`, as the resolver wrote it (for `reason = "error"`, right after the WARN) |
+//! | `tollgate.tier_fallback` | event | WARN (at most one a second per rule; the others DEBUG) | `rule`, `reason` | a rule's tier resolver gave no answer and the request was counted in the default tier, remembered for nobody: `reason` is `error` (the resolver's answer was an `Err`), `panic` or `timeout` ([`Tiers::timeout`](crate::limiter::Tiers::timeout)). One per request that fell back. Without the resolver's error text, which may hold the key |
+//! | `tollgate.tier_fallback.error` | event | DEBUG | `rule`, `error` | the text of that `Err`, as the resolver wrote it (for `reason = "error"`, right after the fallback's event) |
 //! | `tollgate.concurrency.refused` | event | DEBUG | `layer`, `rule`, `reason` | the concurrency layer refused a request (`busy`, `full`, `no_key`, `store_down`) |
 //! | `tollgate.shed` | event | DEBUG | `layer`, `class`, `reason` | the shedder shed a request (reasons as in the `tollgate_shed_total` metric) |
 //! | `tollgate.shed.limit` | event | DEBUG | `layer`, `from`, `to` | the shedder's adaptive limit moved |

@@ -379,8 +379,8 @@ async fn store_failures_and_the_breaker_at_their_levels() {
 }
 
 /// A tier resolver that gives no answer (an error, a panic, a timeout) is a WARN naming the
-/// rule and why, outside the decision span; the resolver's error text, which may hold the key,
-/// only at DEBUG.
+/// rule and why (at most one a second), outside the decision span; the resolver's error text,
+/// which may hold the key, only at DEBUG.
 #[tokio::test(start_paused = true)]
 async fn a_failing_tier_resolver_is_a_warn_without_the_key() {
     use tollgate::store::BoxError;
@@ -398,7 +398,8 @@ async fn a_failing_tier_resolver_is_a_warn_without_the_key() {
     };
     let tiers = Tiers::new(resolver)
         .tier("free", [minute(100, "free")])
-        .timeout(Duration::from_millis(100));
+        .timeout(Duration::from_millis(100))
+        .clock(TokioClock::new());
     let layer = RateLimitLayer::builder(MemoryStore::with_clock(TokioClock::new()))
         .rule(
             Rule::new("plan")
@@ -408,9 +409,11 @@ async fn a_failing_tier_resolver_is_a_warn_without_the_key() {
         .build()
         .unwrap();
     let service = ServiceBuilder::new().layer(layer).service(ok_service());
+    // A second apart, each is a WARN.
     for key in ["alice-err", "alice-panic", "alice-slow"] {
         let response = service.clone().oneshot(get(&[("x-user", key)])).await;
         assert_eq!(response.unwrap().status(), StatusCode::OK, "{key}");
+        tokio::time::advance(Duration::from_secs(1)).await;
     }
 
     let fallbacks = capture.named("tollgate.tier_fallback");
@@ -447,6 +450,24 @@ async fn a_failing_tier_resolver_is_a_warn_without_the_key() {
             assert!(c.level >= Level::DEBUG, "{c:?}");
         }
     }
+
+    // Within a second, the first is a WARN and the others DEBUG: a resolver that is down does
+    // not log a WARN line per request.
+    for _ in 0..4 {
+        let response = service
+            .clone()
+            .oneshot(get(&[("x-user", "alice-err")]))
+            .await;
+        assert_eq!(response.unwrap().status(), StatusCode::OK);
+    }
+    let levels: Vec<_> = capture.named("tollgate.tier_fallback")[3..]
+        .iter()
+        .map(|e| e.level)
+        .collect();
+    assert_eq!(
+        levels,
+        [Level::WARN, Level::DEBUG, Level::DEBUG, Level::DEBUG]
+    );
 }
 
 /// The overload layers say at DEBUG what they refuse, and the shedder when its limit moves.

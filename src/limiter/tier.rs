@@ -293,6 +293,8 @@ impl Tiers {
                 scans: Default::default(),
             }),
             clock: self.clock,
+            #[cfg(feature = "tracing")]
+            warned_at: std::sync::atomic::AtomicU64::new(0),
         }
     }
 }
@@ -323,6 +325,11 @@ pub(crate) struct TierLookup {
     /// Shared with the lookup of the same rule after a reload that left the rule as it was.
     cache: Arc<TierCache>,
     clock: Arc<dyn Clock>,
+    /// When a fallback was last logged at WARN, on `clock` (plus one; 0: never): at most one
+    /// WARN a second, the others at DEBUG, so that a resolver that is down does not flood the
+    /// log with a line per request.
+    #[cfg(feature = "tracing")]
+    warned_at: std::sync::atomic::AtomicU64,
     /// `tollgate_tier_cache_total`, by result.
     hits: Counter,
     misses: Counter,
@@ -375,14 +382,27 @@ impl TierLookup {
             // The resolver's error is its own text, which may hold the key it was asked about
             // (personal data): the WARN says only which rule and why, the text is DEBUG only.
             // Not inside the caller's span either (the DEBUG decision span may carry the key).
-            crate::telemetry::event!(
-                warn,
-                name: "tollgate.tier_fallback",
-                parent: None,
-                rule = &*self.rule,
-                reason,
-                "the tier resolver gave no answer: the request counts in the default tier"
-            );
+            #[cfg(feature = "tracing")]
+            if self.warn_now() {
+                crate::telemetry::event!(
+                    warn,
+                    name: "tollgate.tier_fallback",
+                    parent: None,
+                    rule = &*self.rule,
+                    reason,
+                    "the tier resolver gave no answer: the request counts in the default tier \
+                     (at most one such WARN a second; the others at DEBUG)"
+                );
+            } else {
+                crate::telemetry::event!(
+                    debug,
+                    name: "tollgate.tier_fallback",
+                    parent: None,
+                    rule = &*self.rule,
+                    reason,
+                    "the tier resolver gave no answer: the request counts in the default tier"
+                );
+            }
             if let Resolution::Failed(error) = resolution {
                 crate::telemetry::event!(
                     debug,
@@ -401,6 +421,20 @@ impl TierLookup {
             Resolution::Answered(answer) => self.remember(key, answer.as_deref()),
             _ => self.default,
         }
+    }
+
+    /// Whether a fallback may be logged at WARN: the first in a second.
+    #[cfg(feature = "tracing")]
+    fn warn_now(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        const EVERY: u64 = 1_000_000_000;
+        let now = self.clock.now().saturating_add(1);
+        let last = self.warned_at.load(Relaxed);
+        (last == 0 || now.saturating_sub(last) >= EVERY)
+            && self
+                .warned_at
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_ok()
     }
 
     /// Turns an answer into a tier and remembers it for `key`.
