@@ -248,6 +248,33 @@ macro_rules! event {
 }
 pub(crate) use event;
 
+/// At most one WARN a second of one kind, the others at DEBUG: a store that dies fails every
+/// call in flight at once, a resolver that is down fails every request, and an outage must not
+/// flood the log.
+#[derive(Debug, Default)]
+pub(crate) struct WarnEvery {
+    /// When the last WARN was logged, in the caller's clock's nanoseconds plus one (zero:
+    /// never).
+    last: std::sync::atomic::AtomicU64,
+}
+
+impl WarnEvery {
+    /// The least time between two WARNs, in nanoseconds.
+    const EVERY: u64 = 1_000_000_000;
+
+    /// Whether the event of `now` (the caller's clock) may be a WARN: the first in a second.
+    pub(crate) fn now(&self, now: u64) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = now.saturating_add(1);
+        let last = self.last.load(Relaxed);
+        (last == 0 || now.saturating_sub(last) >= Self::EVERY)
+            && self
+                .last
+                .compare_exchange(last, now, Relaxed, Relaxed)
+                .is_ok()
+    }
+}
+
 /// The span of one rate-limit decision, `tollgate.decision` at DEBUG (nothing without the
 /// `tracing` feature).
 ///

@@ -294,7 +294,7 @@ impl Tiers {
             }),
             clock: self.clock,
             #[cfg(feature = "tracing")]
-            warned_at: std::sync::atomic::AtomicU64::new(0),
+            warned: Default::default(),
         }
     }
 }
@@ -325,11 +325,9 @@ pub(crate) struct TierLookup {
     /// Shared with the lookup of the same rule after a reload that left the rule as it was.
     cache: Arc<TierCache>,
     clock: Arc<dyn Clock>,
-    /// When a fallback was last logged at WARN, on `clock` (plus one; 0: never): at most one
-    /// WARN a second, the others at DEBUG, so that a resolver that is down does not flood the
-    /// log with a line per request.
+    /// Fallbacks: at most one WARN a second (on `clock`), the others at DEBUG.
     #[cfg(feature = "tracing")]
-    warned_at: std::sync::atomic::AtomicU64,
+    warned: crate::telemetry::WarnEvery,
     /// `tollgate_tier_cache_total`, by result.
     hits: Counter,
     misses: Counter,
@@ -383,7 +381,7 @@ impl TierLookup {
             // (personal data): the WARN says only which rule and why, the text is DEBUG only.
             // Not inside the caller's span either (the DEBUG decision span may carry the key).
             #[cfg(feature = "tracing")]
-            if self.warn_now() {
+            if self.warned.now(self.clock.now()) {
                 crate::telemetry::event!(
                     warn,
                     name: "tollgate.tier_fallback",
@@ -421,20 +419,6 @@ impl TierLookup {
             Resolution::Answered(answer) => self.remember(key, answer.as_deref()),
             _ => self.default,
         }
-    }
-
-    /// Whether a fallback may be logged at WARN: the first in a second.
-    #[cfg(feature = "tracing")]
-    fn warn_now(&self) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
-        const EVERY: u64 = 1_000_000_000;
-        let now = self.clock.now().saturating_add(1);
-        let last = self.warned_at.load(Relaxed);
-        (last == 0 || now.saturating_sub(last) >= EVERY)
-            && self
-                .warned_at
-                .compare_exchange(last, now, Relaxed, Relaxed)
-                .is_ok()
     }
 
     /// Turns an answer into a tier and remembers it for `key`.

@@ -185,14 +185,9 @@ struct Shared<S> {
     instances: u64,
     divided: Mutex<HashMap<u64, Policy>>,
     counters: Counters,
-    /// When the last WARN of a failed call was logged (the breaker's clock, plus one so that
-    /// zero means never): at most one a second, the others at DEBUG. A store that dies fails
-    /// every call in flight at once, and an outage must not flood the log.
-    warned_at: std::sync::atomic::AtomicU64,
+    /// Failed calls: at most one WARN a second (on the breaker's clock), the others at DEBUG.
+    warned: crate::telemetry::WarnEvery,
 }
-
-/// The least time between two WARNs of failed calls of one store.
-const WARN_EVERY: u64 = 1_000_000_000;
 
 /// A store wrapped in a timeout, a circuit breaker and a [`FailurePolicy`]. Cloning is cheap;
 /// clones share the breaker, the counters and the fallback store.
@@ -373,18 +368,6 @@ impl<S: Store> ResilientStore<S> {
 }
 
 impl<S> Shared<S> {
-    /// Whether a failed call may be logged at WARN: the first in a second.
-    fn warn_now(&self) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
-        let now = self.breaker.now().saturating_add(1);
-        let last = self.warned_at.load(Relaxed);
-        (last == 0 || now.saturating_sub(last) >= WARN_EVERY)
-            && self
-                .warned_at
-                .compare_exchange(last, now, Relaxed, Relaxed)
-                .is_ok()
-    }
-
     /// A call that reached the store failed with `error`.
     fn failure(&self, permit: Permit, error: &StoreError) {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
@@ -394,7 +377,7 @@ impl<S> Shared<S> {
         self.telemetry.error(error);
         // Without the `tracing` feature both events are nothing.
         #[cfg_attr(not(feature = "tracing"), allow(clippy::if_same_then_else))]
-        if self.warn_now() {
+        if self.warned.now(self.breaker.now()) {
             crate::telemetry::event!(
                 warn,
                 name: "tollgate.store.failed",
@@ -654,7 +637,7 @@ impl<S: Store> ResilientStoreBuilder<S> {
                 hook: self.hook,
                 divided: Mutex::new(HashMap::new()),
                 counters: Counters::default(),
-                warned_at: std::sync::atomic::AtomicU64::new(0),
+                warned: Default::default(),
             }),
         }
     }
