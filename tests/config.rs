@@ -343,6 +343,21 @@ fn a_required_field_of_the_wrong_type_is_one_problem_not_two() {
 }
 
 #[test]
+fn a_file_with_hundreds_of_problems_reports_the_first_hundred() {
+    // One reading problem, then 150 rules with a window of zero: the report stops at 100.
+    let mut text = String::from("colour = \"blue\"\n");
+    for i in 0..150 {
+        text.push_str(&format!(
+            "[[rules]]\nname = \"r{i}\"\npolicies = [{{ algorithm = \"fixed_window\", limit = 1, window = \"0s\" }}]\n"
+        ));
+    }
+    let errors = Config::from_toml(&text).unwrap_err();
+    assert_eq!(errors.errors().len(), 100, "{errors}");
+    assert_eq!(errors.paths()[0], "colour");
+    assert_eq!(errors.paths()[99], "rules[98].policies[0].window");
+}
+
+#[test]
 fn reading_problems_do_not_hide_value_problems() {
     let errors = Config::from_toml(
         r#"
