@@ -11,13 +11,15 @@
 //! Knobs: `TOLLGATE_BENCH_POOL` (connections, default 4), `TOLLGATE_BENCH_THREADS` (tokio
 //! workers, default 2), `TOLLGATE_BENCH_QUICK` (only the load figures).
 
+#[path = "redis_support/mod.rs"]
+mod redis_support;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use redis_support::{ceiling, cpu_time_us, script_calls};
 use tollgate::clock::{Clock, SystemClock};
 use tollgate::store::redis::RedisStore;
 use tollgate::{Policy, Rate};
@@ -31,24 +33,6 @@ struct Figures {
     p99_us: f64,
     /// This process's CPU time (user + system) per decision.
     cpu_us: f64,
-}
-
-/// This process's CPU time so far, in microseconds (Linux `/proc/self/stat`, 100 ticks/s).
-fn cpu_time_us() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (ticks(11) + ticks(12)) * 10_000.0
 }
 
 /// Runs `callers` tasks for [`RUN`], each calling `op` again and again with its next key (one
@@ -155,58 +139,6 @@ async fn fred_alone(
     figures
 }
 
-/// `redis-benchmark` EVALSHA of the check script, 64 clients, pipeline 16.
-fn ceiling(port: u16, sha: &str, policy: &Policy, spread: bool) -> f64 {
-    let algorithm = policy.algorithm().as_str();
-    let key = if spread {
-        "bench:{__rand_int__}"
-    } else {
-        "bench:{hot}"
-    };
-    let period = policy.interval().as_nanos().to_string();
-    let horizon = policy.window().as_nanos().to_string();
-    let limit = policy.limit().to_string();
-    let out = Command::new("redis-benchmark")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args([
-            "-c",
-            "64",
-            "-P",
-            "16",
-            "-n",
-            "400000",
-            "-r",
-            &KEYS.to_string(),
-            "-q",
-        ])
-        .args([
-            "EVALSHA", sha, "1", key, "", "0", "1000", algorithm, &limit, &period, "1", &horizon,
-            "",
-        ])
-        .output()
-        .expect("redis-benchmark");
-    let text = String::from_utf8_lossy(&out.stdout);
-    // "EVALSHA ...: 143000.00 requests per second, p50=..."
-    text.rsplit('\r')
-        .chain(text.lines())
-        .find_map(|l| {
-            let (_, rest) = l.split_once(": ")?;
-            rest.split_whitespace().next()?.parse::<f64>().ok()
-        })
-        .unwrap_or(f64::NAN)
-}
-
-fn evalsha_calls(server: &support::RedisServer) -> u64 {
-    server
-        .cli(&["INFO", "commandstats"])
-        .lines()
-        .find(|l| l.starts_with("cmdstat_evalsha:"))
-        .and_then(|l| l.split("calls=").nth(1))
-        .and_then(|s| s.split(',').next())
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0)
-}
-
 fn memory_usage(server: &support::RedisServer, name: &str) -> u64 {
     server
         .cli(&["MEMORY", "USAGE", name, "SAMPLES", "0"])
@@ -250,7 +182,7 @@ fn main() {
             let name = policy.algorithm().as_str();
             let sha = store.check_script_sha(policy.algorithm());
             for spread in [false, true] {
-                let top = ceiling(server.port, sha, policy, spread);
+                let top = ceiling(server.port, sha, policy, if spread { KEYS } else { 0 });
                 let keys = if spread { "100k" } else { "1 (hot)" };
                 for callers in [1, 64] {
                     let f = load(&store, policy, callers, spread).await;
@@ -283,7 +215,7 @@ fn main() {
                 .await
                 .expect("connect");
             s.check("flood", &tight, 1).await.expect("check");
-            let before = evalsha_calls(&server);
+            let before = script_calls(&server);
             let clock = SystemClock::new();
             let t = clock.now();
             let n = 200_000u64;
@@ -301,7 +233,7 @@ fn main() {
                 task.await.expect("task");
             }
             let secs = (clock.now() - t) as f64 / 1e9;
-            let calls = evalsha_calls(&server) - before;
+            let calls = script_calls(&server) - before;
             println!(
                 "\nrejected flood, 64 callers, deny cache {}: {:.0} decisions/s, {} of {} reached Redis",
                 if cache > 0 { "on" } else { "off" },

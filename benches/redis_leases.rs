@@ -15,13 +15,15 @@
 //! Knobs: `TOLLGATE_BENCH_THREADS` (tokio workers, default 2), `TOLLGATE_BENCH_SECS` (seconds
 //! per row, default 3).
 
+#[path = "redis_support/mod.rs"]
+mod redis_support;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use redis_support::{ceiling, cpu_time_us, script_calls};
 use tollgate::clock::{Clock, SystemClock};
 use tollgate::store::redis::{DEFAULT_BUCKET_LIFETIME, LeasedStore, RedisStore};
 use tollgate::{Policy, Rate, Store};
@@ -45,40 +47,6 @@ struct Figures {
     secs: f64,
     /// This process's CPU time (user + system) per decision, in µs.
     cpu_us: f64,
-}
-
-/// This process's CPU time so far, in microseconds (Linux `/proc/self/stat`, 100 ticks/s).
-fn cpu_time_us() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    (ticks(11) + ticks(12)) * 10_000.0
-}
-
-fn script_calls(server: &support::RedisServer) -> u64 {
-    server
-        .cli(&["INFO", "commandstats"])
-        .lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split("calls=")
-                .nth(1)?
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
 }
 
 /// `CALLERS` tasks, spread over `stores`, each checking its next key (the hot one, or one of
@@ -170,41 +138,6 @@ async fn drive<S: Store + Clone>(
     }
 }
 
-/// `redis-benchmark` EVALSHA of the check script on one key, 64 clients, pipeline 16.
-fn ceiling(port: u16, sha: &str, policy: &Policy) -> f64 {
-    let period = policy.interval().as_nanos().to_string();
-    let horizon = policy.window().as_nanos().to_string();
-    let limit = policy.limit().to_string();
-    let out = Command::new("redis-benchmark")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(["-c", "64", "-P", "16", "-n", "400000", "-q"])
-        .args([
-            "EVALSHA",
-            sha,
-            "1",
-            "bench:{hot}",
-            "",
-            "0",
-            "1000",
-            policy.algorithm().as_str(),
-            &limit,
-            &period,
-            "1",
-            &horizon,
-            "",
-        ])
-        .output()
-        .expect("redis-benchmark");
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.rsplit('\r')
-        .chain(text.lines())
-        .find_map(|l| {
-            let (_, rest) = l.split_once(": ")?;
-            rest.split_whitespace().next()?.parse::<f64>().ok()
-        })
-        .unwrap_or(f64::NAN)
-}
-
 /// The bound over every span of slots: admissions made in slots i..=j happened within
 /// (j - i + 1) slots; what they spent was consumed at most L before (leases) or at most the
 /// longest decision after (calls to Redis). So at most B + floor((span + L + longest) / I).
@@ -273,7 +206,7 @@ fn main() {
             LeasedStore::new(connect("leased:").await.expect("connect")),
             LeasedStore::new(connect("leased:").await.expect("connect")),
         ];
-        let top = ceiling(server.port, plain[0].check_script_sha(roomy.algorithm()), &roomy);
+        let top = ceiling(server.port, plain[0].check_script_sha(roomy.algorithm()), &roomy, 0);
         println!("\nceiling: redis-benchmark EVALSHA of the gcra script, one key, -c 64 -P 16: {top:.0}/s\n");
         println!("| store | keys | limit | decisions/s | × ceiling | p50 | p99 | client CPU per decision | admitted/s | script calls/s |");
         println!("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
