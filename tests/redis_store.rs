@@ -273,6 +273,30 @@ const GCRA_REFUND_LUA: &str = concat!(
     include_str!("../src/store/redis/refund.lua"),
 );
 
+const FIXED_WINDOW_CHECK_LUA: &str = concat!(
+    include_str!("../src/store/redis/common.lua"),
+    include_str!("../src/store/redis/arith.lua"),
+    include_str!("../src/store/redis/fixed_window.lua"),
+    include_str!("../src/store/redis/check.lua"),
+);
+const FIXED_WINDOW_REFUND_LUA: &str = concat!(
+    include_str!("../src/store/redis/common.lua"),
+    include_str!("../src/store/redis/fixed_window.lua"),
+    include_str!("../src/store/redis/refund.lua"),
+);
+
+const SLIDING_WINDOW_CHECK_LUA: &str = concat!(
+    include_str!("../src/store/redis/common.lua"),
+    include_str!("../src/store/redis/arith.lua"),
+    include_str!("../src/store/redis/sliding_window.lua"),
+    include_str!("../src/store/redis/check.lua"),
+);
+const SLIDING_WINDOW_REFUND_LUA: &str = concat!(
+    include_str!("../src/store/redis/common.lua"),
+    include_str!("../src/store/redis/sliding_window.lua"),
+    include_str!("../src/store/redis/refund.lua"),
+);
+
 /// A GCRA key of 1,000 units, one a minute, driven by hand at one frozen instant: what one
 /// slot of a cross-slot check (or a quota lease) consumes with a refund token, and its
 /// refund.
@@ -282,13 +306,57 @@ struct Pending<'a> {
     policy: Policy,
     name: String,
     sec: String,
+    /// The check and refund scripts of the policy's algorithm.
+    scripts: [&'static str; 2],
+    /// (limit, period in ns, horizon in ns) as the store sends them.
+    args: [String; 3],
+    clock: tollgate::clock::ManualClock,
+    /// Where each token's consumption went, as the check script answered (ref_b, ref_t).
+    refs: std::sync::Mutex<std::collections::HashMap<String, [String; 2]>>,
 }
 
 impl<'a> Pending<'a> {
-    /// (limit, interval in ns, horizon in ns) as the store sends them.
-    const ARGS: [&'static str; 3] = ["1000", "60000000000", "60000000000000"];
-
     async fn new(server: &'a support::RedisServer, key: &str) -> Self {
+        let policy = Policy::gcra(Rate::per_minute(1), 1_000).unwrap();
+        Self::with_policy(server, key, policy, [GCRA_CHECK_LUA, GCRA_REFUND_LUA]).await
+    }
+
+    /// A sliding window of 1,000 units a minute.
+    async fn sliding_window(server: &'a support::RedisServer, key: &str) -> Self {
+        let policy = Policy::sliding_window(1_000, Duration::from_secs(60)).unwrap();
+        Self::with_policy(
+            server,
+            key,
+            policy,
+            [SLIDING_WINDOW_CHECK_LUA, SLIDING_WINDOW_REFUND_LUA],
+        )
+        .await
+    }
+
+    /// Moves the scripts' time and the store's on by `secs` seconds.
+    fn advance(&mut self, secs: u64) {
+        self.clock.advance(Duration::from_secs(secs));
+        self.sec = self.clock.elapsed().as_secs().to_string();
+    }
+
+    /// A fixed window of 1,000 units a minute.
+    async fn fixed_window(server: &'a support::RedisServer, key: &str) -> Self {
+        let policy = Policy::fixed_window(1_000, Duration::from_secs(60)).unwrap();
+        Self::with_policy(
+            server,
+            key,
+            policy,
+            [FIXED_WINDOW_CHECK_LUA, FIXED_WINDOW_REFUND_LUA],
+        )
+        .await
+    }
+
+    async fn with_policy(
+        server: &'a support::RedisServer,
+        key: &str,
+        policy: Policy,
+        scripts: [&'static str; 2],
+    ) -> Self {
         let clock = tollgate::clock::ManualClock::new();
         clock.set(Duration::from_secs(1_700_000_000));
         let store = RedisStore::builder()
@@ -298,30 +366,46 @@ impl<'a> Pending<'a> {
             .connect()
             .await
             .unwrap();
-        let policy = Policy::gcra(Rate::per_minute(1), 1_000).unwrap();
         let name = store.key_name(key, &policy);
         let sec = clock.elapsed().as_secs().to_string();
+        let args = [
+            policy.limit().to_string(),
+            policy.interval().as_nanos().to_string(),
+            // The store's horizon: how long a state can matter (two windows for the sliding
+            // window's estimate).
+            (policy.window().as_nanos()
+                * if policy.algorithm().as_str() == "sliding_window" {
+                    2
+                } else {
+                    1
+                })
+            .to_string(),
+        ];
         Self {
             server,
             store,
             policy,
             name,
             sec,
+            scripts,
+            args,
+            clock,
+            refs: Default::default(),
         }
     }
 
     fn consume(&self, token: &str, cost: u64) {
-        let [limit, interval, horizon] = Self::ARGS;
+        let [limit, interval, horizon] = &self.args;
         let cost = cost.to_string();
         let out = self.server.cli(&[
             "EVAL",
-            GCRA_CHECK_LUA,
+            self.scripts[0],
             "1",
             &self.name,
             &self.sec,
             "0",
             "1000",
-            "gcra",
+            self.policy.algorithm().as_str(),
             limit,
             interval,
             &cost,
@@ -329,27 +413,32 @@ impl<'a> Pending<'a> {
             token,
         ]);
         assert!(out.starts_with("1\n1\n"), "{token}: {out:?}");
+        // {all, allowed, remaining, reset_after, retry_after, ref_b, ref_t}
+        let lines: Vec<&str> = out.lines().collect();
+        let refs = [lines[5].to_owned(), lines[6].to_owned()];
+        self.refs.lock().unwrap().insert(token.to_owned(), refs);
     }
 
     fn refund(&self, token: &str, cost: u64) {
-        let [limit, interval, horizon] = Self::ARGS;
+        let [limit, interval, horizon] = &self.args;
         let cost = cost.to_string();
+        let [ref_b, ref_t] = self.refs.lock().unwrap()[token].clone();
         self.server.cli(&[
             "EVAL",
-            GCRA_REFUND_LUA,
+            self.scripts[1],
             "1",
             &self.name,
             &self.sec,
             "0",
             "refund",
-            "gcra",
+            self.policy.algorithm().as_str(),
             limit,
             interval,
             &cost,
             horizon,
             token,
-            "0",
-            "0",
+            &ref_b,
+            &ref_t,
         ]);
     }
 
@@ -360,6 +449,89 @@ impl<'a> Pending<'a> {
             .unwrap()
             .remaining()
     }
+}
+
+/// A fixed window's refund takes back only what its own consumption counted: a refund that
+/// comes twice, or after the consumption was lost (a failover to a replica that never saw
+/// it), subtracts nothing, where it used to take back other requests' counts (over-admitting
+/// them by its cost).
+#[tokio::test]
+async fn a_fixed_window_refund_takes_back_only_its_own_consumption() {
+    let server = redis_or_skip!();
+    let key = Pending::fixed_window(&server, "fw").await;
+    key.consume("a", 5);
+    key.consume("b", 3);
+    assert_eq!(key.remaining("fw").await, 992);
+    key.refund("a", 5);
+    assert_eq!(key.remaining("fw").await, 997);
+    // Twice: nothing more.
+    key.refund("a", 5);
+    assert_eq!(key.remaining("fw").await, 997);
+    // The consumption is lost (the key as a promoted replica would have it), then others count.
+    key.consume("c", 4);
+    server.cli(&["DEL", &key.name]);
+    key.consume("d", 2);
+    key.refund("c", 4);
+    assert_eq!(key.remaining("fw").await, 998);
+    // A settled consumption stays counted, and can no longer be refunded.
+    let settle = |token: &str| {
+        let [limit, interval, horizon] = &key.args;
+        server.cli(&[
+            "EVAL",
+            FIXED_WINDOW_REFUND_LUA,
+            "1",
+            &key.name,
+            &key.sec,
+            "0",
+            "settle",
+            "fixed_window",
+            limit,
+            interval,
+            "2",
+            horizon,
+            token,
+            "0",
+            "0",
+        ]);
+    };
+    settle("d");
+    key.refund("d", 2);
+    assert_eq!(key.remaining("fw").await, 998);
+    // b's consumption was lost with the key: its refund finds nothing either.
+    key.refund("b", 3);
+    assert_eq!(key.remaining("fw").await, 998);
+}
+
+/// A sliding window's refund takes back only its own consumption too, from `cur` while its
+/// window lasts and from `prev` in the next one; twice, or after the consumption was lost,
+/// it subtracts nothing.
+#[tokio::test]
+async fn a_sliding_window_refund_takes_back_only_its_own_consumption() {
+    let server = redis_or_skip!();
+    let mut key = Pending::sliding_window(&server, "sw").await;
+    // To the start of a window (Unix time 1,700,000,000 is 20 s into a minute).
+    key.advance(40);
+    key.consume("a", 5);
+    key.consume("b", 3);
+    key.consume("c", 2);
+    key.refund("a", 5);
+    key.refund("a", 5);
+    assert_eq!(key.remaining("sw").await, 995);
+    // Half-way through the next window: b and c count half (prev, rounded down), d whole.
+    key.advance(90);
+    key.consume("d", 4);
+    assert_eq!(key.remaining("sw").await, 1_000 - 4 - 5 / 2);
+    key.refund("b", 3);
+    key.refund("b", 3);
+    assert_eq!(key.remaining("sw").await, 1_000 - 4 - 2 / 2);
+    key.refund("d", 4);
+    key.refund("d", 4);
+    assert_eq!(key.remaining("sw").await, 1_000 - 1);
+    // Lost with the key (a failover), then others count: c's refund takes nothing back.
+    server.cli(&["DEL", &key.name]);
+    key.consume("e", 6);
+    key.refund("c", 2);
+    assert_eq!(key.remaining("sw").await, 994);
 }
 
 /// A bucket keeps its newest 256 pending refunds: when more are pending (the settles of

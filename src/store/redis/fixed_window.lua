@@ -41,23 +41,39 @@ ALGORITHMS['fixed_window'] = function(key, limit, window, cost, horizon, sec, no
     return d, nil
   end
   return d, function(slack, token)
-    store_hash(key, sec, nil, false, ttl_ms(new[1] + window - now, slack),
+    -- Pending refunds belong to their window: a new window starts with none.
+    local p = nil
+    if s and new[1] == stored_start then
+      p = s.p
+    end
+    if token ~= '' then
+      p = pending_add(p, token, cost, now_ms(sec, now))
+    end
+    store_hash(key, sec, p, s and s.p, ttl_ms(new[1] + window - now, slack),
       'start', int(new[1]), 'count', int(new[2]))
-    return sec, new[1]
+    return 0, 0
   end
 end
 
 -- The counter is linear: taking the cost back out of the same window is exact; once the
--- window has passed, its count no longer matters.
+-- window has passed, its count no longer matters. A refund takes back only what its own
+-- consumption recorded in this window's pending list (`p`, as the buckets keep it): a refund
+-- that comes twice, or after a failover lost the consumption it undoes, finds no entry and
+-- subtracts nothing, so it can never take back other requests' counts. An entry pushed out
+-- of a full list leaves its consumption counted: an over-rejection, never an over-admission.
 REFUNDS['fixed_window'] = function(key, limit, window, cost, horizon, token, ref_b, ref_t, sec, now, settle)
-  if settle then
-    return
-  end
   local s = load_hash(key, sec, horizon, { 'start', 'count' })
   if s == nil then
     return
   end
-  if s.start - s.shift == ref_t - (sec - ref_b) * NS then
-    redis.call('HSET', key, 'count', int(max(s.count - cost, 0)))
+  local delta, p = pending_take(s.p, token, settle, cost)
+  if settle then
+    delta = 0
+  end
+  redis.call('HSET', key, 'count', int(max(s.count - delta, 0)))
+  if p then
+    redis.call('HSET', key, 'p', p)
+  else
+    redis.call('HDEL', key, 'p')
   end
 end

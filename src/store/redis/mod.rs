@@ -96,7 +96,11 @@
 //!
 //! - fixed window and sliding window: the cost is taken back out of the window it was counted
 //!   in (in the sliding window, out of `prev` once that window has become the previous one);
-//!   once it has aged out there is nothing to take back;
+//!   once it has aged out there is nothing to take back. The consuming script records the
+//!   call's token and cost in that window's state, and the refund takes back only what it
+//!   finds recorded there: a refund that comes twice, or after a failover lost the
+//!   consumption, takes nothing back (it used to subtract its cost from whatever was
+//!   counted, other requests' counts included);
 //! - sliding log: the cost is taken out of the entry logged at that time. The log keeps a
 //!   running sum beside each time, so the refund rewrites only the entries from that one to
 //!   the newest (nearly always the newest alone), and a check finds the first live entry and
@@ -1135,13 +1139,16 @@ impl Inner {
         self.consume_across_slots(call, gone).await
     }
 
-    /// The refund tokens of a group's items: a bucket needs one to be refunded (a lease's
-    /// unspent part, or a slot's consumption when another slot rejects), others none.
+    /// The refund tokens of a group's items: every algorithm but the sliding log needs one to
+    /// be refunded (a lease's unspent part, or a slot's consumption when another slot
+    /// rejects): the refund takes back only what the token's own consumption recorded.
     fn tokens(&self, items: &[&Item], across_slots: bool) -> SmallVec<[String; 4]> {
         items
             .iter()
             .map(|it| match it.algorithm {
-                "token_bucket" | "leaky_bucket" | "gcra" if across_slots || it.leasing() => {
+                "token_bucket" | "leaky_bucket" | "gcra" | "fixed_window" | "sliding_window"
+                    if across_slots || it.leasing() =>
+                {
                     format!(
                         "{:x}.{:x}",
                         self.instance,

@@ -79,26 +79,53 @@ ALGORITHMS['sliding_window'] = function(key, limit, window, cost, horizon, sec, 
     return d, nil
   end
   return d, function(slack, token)
-    store_hash(key, sec, nil, false, ttl_ms(new[1] + 2 * window - now, slack),
+    -- Pending refunds follow their counts: `p` lists the current window's, `q` the previous
+    -- one's; a window that moves on by one turns `p` into `q`, by more forgets both.
+    local p = nil
+    if s and new[1] == stored.start then
+      p = s.p
+    elseif s and new[1] == stored.start + window and s.p then
+      redis.call('HSET', key, 'q', s.p)
+    elseif s then
+      redis.call('HDEL', key, 'q')
+    end
+    if token ~= '' then
+      p = pending_add(p, token, cost, now_ms(sec, now))
+    end
+    store_hash(key, sec, p, s and s.p, ttl_ms(new[1] + 2 * window - now, slack),
       'start', int(new[1]), 'prev', int(new[2]), 'cur', int(new[3]))
-    return sec, new[1]
+    return 0, 0
   end
 end
 
--- The counts are linear: the cost went into the window that started at ref_t; it is in `cur`
--- while that window lasts, in `prev` during the next one, and forgotten after.
+-- The counts are linear: a consumption is in `cur` while its window lasts and in `prev` during
+-- the next one, and its pending entry moves from `p` to `q` with it. A refund takes back only
+-- what its own entry recorded (as fixed_window.lua does): twice, or after a failover lost the
+-- consumption, it finds nothing and subtracts nothing.
+local function pending_holds(p, token)
+  return p and p ~= '' and string.find(';' .. p, ';' .. token .. ',', 1, true) ~= nil
+end
+
 REFUNDS['sliding_window'] = function(key, limit, window, cost, horizon, token, ref_b, ref_t, sec, now, settle)
-  if settle then
-    return
-  end
   local s = load_hash(key, sec, horizon, { 'start', 'prev', 'cur' })
   if s == nil then
     return
   end
-  local start, at = s.start - s.shift, ref_t - (sec - ref_b) * NS
-  if start == at then
-    redis.call('HSET', key, 'cur', int(max(s.cur - cost, 0)))
-  elseif start == at + window then
-    redis.call('HSET', key, 'prev', int(max(s.prev - cost, 0)))
+  local field, count, list, pending = 'cur', s.cur, 'p', s.p
+  if not pending_holds(pending, token) then
+    field, count, list, pending = 'prev', s.prev, 'q', redis.call('HGET', key, 'q')
+    if not pending_holds(pending, token) then
+      return
+    end
+  end
+  local delta, rest = pending_take(pending, token, settle, cost)
+  if settle then
+    delta = 0
+  end
+  redis.call('HSET', key, field, int(max(count - delta, 0)))
+  if rest then
+    redis.call('HSET', key, list, rest)
+  else
+    redis.call('HDEL', key, list)
   end
 end
