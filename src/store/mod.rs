@@ -158,6 +158,15 @@ pub trait Store: Send + Sync + 'static {
     fn max_key_len(&self) -> Option<usize> {
         None
     }
+
+    /// Which part of the backend decides `check`, for a store whose parts fail apart (a Redis
+    /// Cluster's masters): [`ResilientStore`] keeps a circuit breaker per part, so that one
+    /// part down fails only the checks it decides. `None` (the default): the store is one
+    /// whole. Called once per check of every call through a `ResilientStore`: keep it cheap.
+    fn partition(&self, check: &Check<'_>) -> Option<u32> {
+        let _ = check;
+        None
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -169,6 +178,10 @@ impl<S: Store> Store for Arc<S> {
 
     fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
         (**self).check_all(checks)
+    }
+
+    fn partition(&self, check: &Check<'_>) -> Option<u32> {
+        (**self).partition(check)
     }
 
     fn check(&self, key: &str, policy: &Policy, cost: u64) -> Self::Future {

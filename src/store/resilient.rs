@@ -18,6 +18,13 @@
 //! store costs one timeout per probe interval, not one per request, and the breaker closes by
 //! itself when the store answers again.
 //!
+//! A store whose parts fail apart says which part decides each check
+//! ([`Store::partition`]: a Redis Cluster's master), and then each part has a breaker of its
+//! own: one master down opens the breaker of the keys it holds, and the other masters' keys
+//! are decided as usual. A call whose checks span several parts goes through only if every
+//! one of their breakers lets it, and its answer counts for each of them. At most
+//! [`MAX_PARTITION_BREAKERS`] parts get their own; the rest share the store's breaker.
+//!
 //! Only answers that reached the backend say anything about its health. Caller errors
 //! ([`StoreError::CostExceedsLimit`], [`StoreError::KeyTooLong`], [`StoreError::Unsupported`])
 //! pass through untouched and are neither failures nor successes: a misconfigured limit never
@@ -56,7 +63,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
+use smallvec::SmallVec;
 // The tests time the breaker on tokio's clock.
 #[cfg(test)]
 use tokio::time::Instant;
@@ -77,6 +85,9 @@ pub const DEFAULT_BREAKER_FAILURES: u32 = 5;
 pub const DEFAULT_BREAKER_OPEN_FOR: Duration = Duration::from_secs(1);
 /// The default name of a [`ResilientStore`] in metrics and logs.
 pub const DEFAULT_STORE_NAME: &str = "default";
+/// The most parts of a store ([`Store::partition`]) that get a breaker of their own; beyond,
+/// they share the store's.
+pub const MAX_PARTITION_BREAKERS: usize = 256;
 
 /// What to answer when the store fails or the breaker is open.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -181,6 +192,10 @@ struct Shared<S> {
     timeout: Duration,
     policy: FailurePolicy,
     breaker: Arc<Breaker<TokioClock>>,
+    /// The breakers of the store's parts, made on first use (see [`Store::partition`]).
+    parts: RwLock<HashMap<u32, Arc<Breaker<TokioClock>>>>,
+    threshold: u32,
+    open_for: Duration,
     fallback: MemoryStore,
     instances: u64,
     divided: Mutex<HashMap<u64, Policy>>,
@@ -268,9 +283,34 @@ impl<S> ResilientStore<S> {
         &self.shared.name
     }
 
-    /// The breaker's state now.
+    /// The breaker's state now: with a breaker per part ([`Store::partition`]), the most open
+    /// of them (see [`breaker_states`](Self::breaker_states) for each).
     pub fn breaker_state(&self) -> BreakerStatus {
-        self.shared.breaker.status()
+        let rank = |s: BreakerStatus| match s {
+            BreakerStatus::Closed => 0,
+            BreakerStatus::HalfOpen => 1,
+            BreakerStatus::Open => 2,
+        };
+        self.breaker_states()
+            .into_iter()
+            .map(|(_, s)| s)
+            .max_by_key(|s| rank(*s))
+            .unwrap_or(BreakerStatus::Closed)
+    }
+
+    /// The state of each breaker now: the store's (`None`), then each part's by its number
+    /// ([`Store::partition`]), in order.
+    pub fn breaker_states(&self) -> Vec<(Option<u32>, BreakerStatus)> {
+        let mut parts: Vec<(Option<u32>, BreakerStatus)> = self
+            .shared
+            .parts
+            .read()
+            .iter()
+            .map(|(part, b)| (Some(*part), b.status()))
+            .collect();
+        parts.sort_by_key(|(part, _)| *part);
+        parts.insert(0, (None, self.shared.breaker.status()));
+        parts
     }
 }
 
@@ -289,11 +329,11 @@ impl<S: Store> ResilientStore<S> {
                 };
             }
         }
-        let permit = shared.breaker.permit();
-        // Made before anything can panic or return, the inner store's `check_all` included,
-        // so that a probe that ends without an answer (a panic, a future dropped unpolled or
-        // mid-flight) hands the probe to the next call instead of holding the breaker half-open.
-        let probe = ProbeGuard::new(Arc::clone(&shared.breaker), permit);
+        // Each guard is made before anything can panic or return, the inner store's
+        // `check_all` included, so that a probe that ends without an answer (a panic, a future
+        // dropped unpolled or mid-flight) hands the probe to the next call instead of holding
+        // the breaker half-open.
+        let permits = shared.permits(checks);
         let owned: Vec<(String, Policy, u64)> = match shared.policy {
             FailurePolicy::LocalFallback => checks
                 .iter()
@@ -305,13 +345,10 @@ impl<S: Store> ResilientStore<S> {
         let open_limit = checks.iter().map(|c| c.policy().limit()).min();
         // Timed for the latency histogram only (the clock is read only with metrics).
         let started = if METRICS { shared.breaker.now() } else { 0 };
-        let call = match permit {
-            Permit::Refuse => None,
-            Permit::Call(_) | Permit::Probe(_) => Some(shared.store.check_all(checks)),
-        };
+        let call = permits.as_ref().map(|_| shared.store.check_all(checks));
         ResilientFuture {
             inner: Box::pin(async move {
-                let mut probe = probe;
+                let mut permits = permits.unwrap_or_default();
                 let error = match call {
                     None => {
                         shared
@@ -330,12 +367,14 @@ impl<S: Store> ResilientStore<S> {
                         }
                         match answer {
                             Ok(Ok(decision)) if decision.reached_backend() => {
-                                shared.breaker.success(permit);
+                                for (breaker, permit, _) in &permits {
+                                    breaker.success(*permit);
+                                }
                                 return Ok(decision);
                             }
                             Ok(Ok(decision)) => {
                                 // Answered without the backend: says nothing of its health.
-                                probe.release();
+                                release(&mut permits);
                                 return Ok(decision);
                             }
                             Ok(Err(
@@ -345,17 +384,17 @@ impl<S: Store> ResilientStore<S> {
                             )) => {
                                 // The caller's mistake, not the store's: neither a failure nor
                                 // a success, and no failure policy.
-                                probe.release();
+                                release(&mut permits);
                                 shared.telemetry.error(&e);
                                 return Err(e);
                             }
                             Ok(Err(e)) => {
-                                shared.failure(permit, &e);
+                                shared.failure(&permits, &e);
                                 e
                             }
                             Err(_) => {
                                 let e = StoreError::Timeout(shared.timeout);
-                                shared.failure(permit, &e);
+                                shared.failure(&permits, &e);
                                 e
                             }
                         }
@@ -367,9 +406,70 @@ impl<S: Store> ResilientStore<S> {
     }
 }
 
-impl<S> Shared<S> {
+impl<S: Store> Shared<S> {
+    /// The breakers `checks` go through (the store's, or each part's) with their permits, or
+    /// `None` if one of them refuses the call (then no probe is held).
+    fn permits(&self, checks: &[Check<'_>]) -> Option<Permits> {
+        let mut parts: SmallVec<[u32; 4]> = SmallVec::new();
+        for check in checks {
+            if let Some(part) = self.store.partition(check) {
+                if !parts.contains(&part) {
+                    parts.push(part);
+                }
+            }
+        }
+        let mut permits = Permits::new();
+        if parts.is_empty() {
+            let breaker = Arc::clone(&self.breaker);
+            let permit = breaker.permit();
+            let guard = ProbeGuard::new(Arc::clone(&breaker), permit);
+            permits.push((breaker, permit, guard));
+        }
+        for part in parts {
+            let breaker = self.part(part);
+            let permit = breaker.permit();
+            let guard = ProbeGuard::new(Arc::clone(&breaker), permit);
+            permits.push((breaker, permit, guard));
+        }
+        if permits
+            .iter()
+            .any(|(_, permit, _)| *permit == Permit::Refuse)
+        {
+            // A probe this call will not make goes to the next call.
+            release(&mut permits);
+            return None;
+        }
+        Some(permits)
+    }
+
+    /// The breaker of part `part`, made on first use (the store's own once
+    /// [`MAX_PARTITION_BREAKERS`] parts have one).
+    fn part(&self, part: u32) -> Arc<Breaker<TokioClock>> {
+        if let Some(breaker) = self.parts.read().get(&part) {
+            return Arc::clone(breaker);
+        }
+        let mut parts = self.parts.write();
+        if let Some(breaker) = parts.get(&part) {
+            return Arc::clone(breaker);
+        }
+        if parts.len() >= MAX_PARTITION_BREAKERS {
+            return Arc::clone(&self.breaker);
+        }
+        let breaker = Breaker::new(TokioClock::new(), self.threshold, self.open_for);
+        // Each part's breaker is reported as `<store>:<part>`.
+        #[cfg(any(feature = "metrics", feature = "tracing"))]
+        let breaker = breaker.observe(crate::breaker::observer(
+            crate::breaker::Role::Store,
+            &Arc::from(format!("{}:{part}", self.name)),
+            self.open_for,
+        ));
+        let breaker = Arc::new(breaker);
+        parts.insert(part, Arc::clone(&breaker));
+        breaker
+    }
+
     /// A call that reached the store failed with `error`.
-    fn failure(&self, permit: Permit, error: &StoreError) {
+    fn failure(&self, permits: &Permits, error: &StoreError) {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
         if matches!(error, StoreError::Timeout(_)) {
             self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
@@ -398,8 +498,10 @@ impl<S> Shared<S> {
                 "the rate-limit store failed"
             );
         }
-        if self.breaker.failure(permit) {
-            self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
+        for (breaker, permit, _) in permits {
+            if breaker.failure(*permit) {
+                self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -455,6 +557,17 @@ impl<S> Shared<S> {
     }
 }
 
+/// The breakers a call goes through, each with its permit and the guard of its probe.
+type Permits = SmallVec<[(Arc<Breaker<TokioClock>>, Permit, ProbeGuard<TokioClock>); 1]>;
+
+/// The call got an answer that says nothing of the backend (or will not be made): any probe
+/// it held goes to the next call.
+fn release(permits: &mut Permits) {
+    for (_, _, guard) in permits {
+        guard.release();
+    }
+}
+
 /// A policy allowing a `n`-th of `policy`: the limit (or burst) divided, at least 1, and for a
 /// bucket the rate divided too, saturated at the slowest rate a bucket of that burst can have
 /// (burst times interval at most `u64::MAX` ns, about 584 years).
@@ -492,6 +605,10 @@ impl<S: Store> Store for ResilientStore<S> {
 
     fn check(&self, key: &str, policy: &Policy, cost: u64) -> Self::Future {
         ResilientStore::check(self, key, policy, cost)
+    }
+
+    fn partition(&self, check: &Check<'_>) -> Option<u32> {
+        self.shared.store.partition(check)
     }
 
     /// The inner store's bound, or the fallback store's where that is shorter (the fallback
@@ -632,6 +749,9 @@ impl<S: Store> ResilientStoreBuilder<S> {
                 timeout: self.timeout,
                 policy: self.policy,
                 breaker: Arc::new(breaker),
+                parts: RwLock::new(HashMap::new()),
+                threshold: self.threshold,
+                open_for: self.open_for,
                 fallback,
                 instances: self.instances,
                 hook: self.hook,
@@ -742,6 +862,83 @@ mod tests {
 
     fn policy() -> Policy {
         Policy::fixed_window(4, Duration::from_secs(60)).unwrap()
+    }
+
+    /// A store of two parts, as a Cluster of two masters: keys `a:*` are part 1, which hangs
+    /// while `down` is set; every other key is part 2, which always answers.
+    #[derive(Clone, Default)]
+    struct Parted {
+        down: Arc<std::sync::atomic::AtomicBool>,
+        calls: Arc<AtomicU64>,
+    }
+
+    impl Store for Parted {
+        type Future = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+
+        fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let touches_a = checks.iter().any(|c| self.partition(c) == Some(1));
+            if touches_a && self.down.load(Ordering::SeqCst) {
+                return Box::pin(std::future::pending());
+            }
+            Box::pin(std::future::ready(answer(OK, 4)))
+        }
+
+        fn partition(&self, check: &Check<'_>) -> Option<u32> {
+            Some(if check.key().starts_with("a:") { 1 } else { 2 })
+        }
+    }
+
+    /// One part down opens only its own breaker: the other part's keys are decided by the
+    /// store throughout, a stack that spans both takes the failure policy, and the part's
+    /// probe closes its breaker when it answers again.
+    #[tokio::test(start_paused = true)]
+    async fn one_part_down_opens_only_its_own_breaker() {
+        let parted = Parted::default();
+        let s = ResilientStore::builder(parted.clone())
+            .timeout(Duration::from_millis(100))
+            .breaker(3, Duration::from_secs(1))
+            .build();
+        let p = policy();
+        parted.down.store(true, Ordering::SeqCst);
+        for _ in 0..3 {
+            assert!(matches!(
+                s.check("a:1", &p, 1).await,
+                Err(StoreError::Timeout(_))
+            ));
+        }
+        let calls = parted.calls.load(Ordering::SeqCst);
+        for i in 0..50 {
+            // Part 1 is not asked; part 2 is, and answers, every time.
+            assert!(matches!(
+                s.check(&format!("a:{i}"), &p, 1).await,
+                Err(StoreError::CircuitOpen)
+            ));
+            assert!(s.check(&format!("b:{i}"), &p, 1).await.unwrap().allowed());
+            let both = [Check::new("a:1", &p, 1), Check::new("b:1", &p, 1)];
+            assert!(matches!(
+                s.check_all(&both).await,
+                Err(StoreError::CircuitOpen)
+            ));
+        }
+        assert_eq!(parted.calls.load(Ordering::SeqCst), calls + 50);
+        assert_eq!(
+            s.breaker_states(),
+            vec![
+                (None, BreakerStatus::Closed),
+                (Some(1), BreakerStatus::Open),
+                (Some(2), BreakerStatus::Closed)
+            ]
+        );
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        assert_eq!(s.stats().breaker_opened, 1);
+        // Part 1 answers again: its probe closes its breaker, and stacks go through.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        parted.down.store(false, Ordering::SeqCst);
+        assert!(s.check("a:1", &p, 1).await.unwrap().allowed());
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        let both = [Check::new("a:1", &p, 1), Check::new("b:1", &p, 1)];
+        assert!(s.check_all(&both).await.unwrap().allowed());
     }
 
     fn store(fake: &Fake, policy: FailurePolicy) -> ResilientStore<Fake> {
