@@ -256,11 +256,19 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> Option<Self> {
+        Self::start_with(&[])
+    }
+
+    /// A cluster whose nodes start with more arguments (such as
+    /// `["--cluster-require-full-coverage", "no"]`), or None (after the skip message) without
+    /// Redis.
+    pub fn start_with(args: &[&str]) -> Option<Self> {
         if !redis_available() {
             return None;
         }
+        let extra: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let nodes: Vec<RedisServer> = (0..3)
-            .map(|_| RedisServer::spawn(free_port(), true))
+            .map(|_| RedisServer::spawn_with(free_port(), true, extra.clone()))
             .collect();
         let mut args = vec!["--cluster".to_owned(), "create".to_owned()];
         args.extend(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));

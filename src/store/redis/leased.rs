@@ -930,6 +930,10 @@ impl Store for LeasedStore {
     fn max_key_len(&self) -> Option<usize> {
         Store::max_key_len(&self.shared.redis)
     }
+
+    fn partition(&self, check: &Check<'_>) -> Option<u32> {
+        Store::partition(&self.shared.redis, check)
+    }
 }
 
 /// What a check_all does.

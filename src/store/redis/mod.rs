@@ -193,6 +193,7 @@
 mod deny;
 pub(crate) mod keys;
 mod leased;
+mod partition;
 
 pub use keys::KeySlots;
 pub use leased::{
@@ -392,6 +393,8 @@ struct Inner {
     scripts: Scripts,
     instance: u64,
     tokens: AtomicU64,
+    /// The client's map of the Cluster, for [`Store::partition`].
+    routing: partition::Routing,
 }
 
 impl Drop for Inner {
@@ -777,6 +780,11 @@ impl Store for RedisStore {
     }
     fn max_key_len(&self) -> Option<usize> {
         Some(self.inner.max_key_len)
+    }
+
+    /// On a Cluster, the master that holds the check's key (see [`Store::partition`]).
+    fn partition(&self, check: &Check<'_>) -> Option<u32> {
+        self.master_of(check)
     }
 }
 
@@ -1735,6 +1743,7 @@ impl RedisStoreBuilder {
                 scripts,
                 instance,
                 tokens: AtomicU64::new(0),
+                routing: partition::Routing::default(),
             }),
         })
     }
