@@ -13,6 +13,8 @@
 //! Real servers on the real clock (a Cluster's node timeout cannot run on a paused one),
 //! bounded: three runs of about 4 s. `--nocapture` prints the figures RELIABILITY.md quotes.
 #![cfg(feature = "redis")]
+// The real clock: a Cluster's node timeout and fred's reconnections run on it.
+#![allow(clippy::disallowed_methods)]
 
 mod support;
 
@@ -139,8 +141,7 @@ async fn fail_one_master_under_load<S: Store + Clone>(
     if fault == Fault::Hang {
         cluster.nodes[0].signal("CONT");
     }
-    let t = *tallies.lock();
-    t
+    *tallies.lock()
 }
 
 async fn start() -> Option<(RedisCluster, RedisStore)> {
