@@ -200,6 +200,27 @@ fn main() {
             }
         }
 
+        // What a call across slots pays for running in a task of its own: a place under the
+        // bound (`max_cross_slot_calls`), `tokio::spawn` and a oneshot answer, one call at a
+        // time, beside one EVALSHA's round trip (the 1-caller p50 above).
+        let bound = Arc::new(tokio::sync::Semaphore::new(tollgate::store::redis::DEFAULT_MAX_CROSS_SLOT_CALLS));
+        let clock = SystemClock::new();
+        let n = 200_000u32;
+        let t = clock.now();
+        for _ in 0..n {
+            let permit = Arc::clone(&bound).try_acquire_owned().expect("a place");
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            tokio::spawn(async move {
+                let _permit = permit;
+                let _ = tx.send(1u8);
+            });
+            rx.await.expect("answer");
+        }
+        println!(
+            "\na call across slots, its own task (bound, spawn, oneshot): {:.2} µs a call",
+            (clock.now() - t) as f64 / 1e3 / f64::from(n)
+        );
+
         if only_load {
             return;
         }

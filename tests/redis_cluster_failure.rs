@@ -224,3 +224,88 @@ async fn the_store_decides_again_soon_after_a_killed_master_is_back() {
         back.elapsed()
     );
 }
+
+/// While a master hangs, calls across slots that touch it wait for their timeout in tasks of
+/// their own; past `max_cross_slot_calls` of them, a call across slots fails at once, consuming
+/// nothing, and once the master answers again the tasks end and the places come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_across_slots_in_flight_are_bounded() {
+    let Some(cluster) = RedisCluster::start_with(&["--cluster-require-full-coverage", "no"]) else {
+        return;
+    };
+    let store = RedisStore::builder()
+        .cluster(cluster.nodes())
+        .timeout(Duration::from_millis(300))
+        .max_cross_slot_calls(4)
+        .connect()
+        .await
+        .unwrap();
+    let policy = Policy::fixed_window(1_000, Duration::from_secs(3_600)).unwrap();
+    // A key on the master that will hang and one on another master.
+    let mut on = [None, None];
+    for i in 0..200 {
+        let key = format!("user:{i}");
+        assert!(store.check(&key, &policy, 1).await.unwrap().allowed());
+        let name = store.key_name(&key, &policy);
+        let node = cluster
+            .nodes
+            .iter()
+            .position(|n| n.cli(&["EXISTS", &name]).trim() == "1")
+            .unwrap();
+        match node {
+            0 if on[0].is_none() => on[0] = Some(key),
+            1 if on[1].is_none() => on[1] = Some(key),
+            _ => {}
+        }
+    }
+    let (hung, live) = (on[0].clone().unwrap(), on[1].clone().unwrap());
+    let stack = |store: RedisStore, policy: Policy, hung: String, live: String| async move {
+        let started = Instant::now();
+        let checks = [Check::new(&hung, &policy, 1), Check::new(&live, &policy, 1)];
+        let answer = store.check_all(&checks).await;
+        (answer, started.elapsed())
+    };
+    cluster.nodes[0].signal("STOP");
+    let calls: Vec<_> = (0..10)
+        .map(|_| {
+            tokio::spawn(stack(
+                store.clone(),
+                policy.clone(),
+                hung.clone(),
+                live.clone(),
+            ))
+        })
+        .collect();
+    let mut refused_at_once = 0;
+    let mut timed_out = 0;
+    for call in calls {
+        match call.await.unwrap() {
+            (Err(StoreError::Backend(e)), took) if e.to_string().contains("across slots") => {
+                assert!(took < Duration::from_millis(100), "{took:?}");
+                refused_at_once += 1;
+            }
+            (Err(StoreError::Timeout(_)), _) => timed_out += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((refused_at_once, timed_out), (6, 4));
+    assert_eq!(store.cross_slot_calls(), 4);
+    cluster.nodes[0].signal("CONT");
+    // The tasks end (their refunds run), the places come back, and stacks go through again.
+    let back = Instant::now();
+    while store.cross_slot_calls() > 0 {
+        assert!(
+            back.elapsed() < Duration::from_secs(10),
+            "the tasks never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (answer, _) = stack(store.clone(), policy.clone(), hung.clone(), live.clone()).await;
+    assert!(answer.unwrap().allowed());
+    // Nothing the refused or timed-out stacks consumed stays: the live key holds its first
+    // check and the last stack's.
+    assert_eq!(
+        store.check(&live, &policy, 0).await.unwrap().remaining(),
+        1_000 - 2
+    );
+}

@@ -243,6 +243,10 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(250);
 /// The default number of pooled connections.
 pub const DEFAULT_POOL_SIZE: usize = 4;
 
+/// The default bound on calls across slots in flight at once (see
+/// [`RedisStoreBuilder::max_cross_slot_calls`]).
+pub const DEFAULT_MAX_CROSS_SLOT_CALLS: usize = 4096;
+
 /// The default longest key, in bytes (longer escaped keys are hashed; this bounds the work).
 pub const DEFAULT_MAX_KEY_LEN: usize = 64 * 1024;
 
@@ -395,6 +399,9 @@ struct Inner {
     tokens: AtomicU64,
     /// The client's map of the Cluster, for [`Store::partition`].
     routing: partition::Routing,
+    /// One permit per call across slots in flight (each runs in a task of its own).
+    cross_slot: Arc<tokio::sync::Semaphore>,
+    max_cross_slot: usize,
 }
 
 impl Drop for Inner {
@@ -532,6 +539,12 @@ impl RedisStore {
         self.inner.names.placed_name(key, check.placement(), policy)
     }
 
+    /// How many calls across slots are in flight now (see
+    /// [`RedisStoreBuilder::max_cross_slot_calls`]).
+    pub fn cross_slot_calls(&self) -> usize {
+        self.inner.max_cross_slot - self.inner.cross_slot.available_permits()
+    }
+
     /// How many rejections the deny cache holds (0 without a deny cache).
     pub fn deny_cache_len(&self) -> usize {
         self.inner.deny.as_ref().map_or(0, DenyCache::len)
@@ -584,11 +597,13 @@ impl RedisStore {
                 // a tenth of the limit: cut off between consuming and refunding, it would
                 // stay consumed).
                 Box::pin(async move {
+                    let permit = inner.cross_slot_permit()?;
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     let worker = RedisStore {
                         inner: Arc::clone(&inner),
                     };
                     tokio::spawn(async move {
+                        let _permit = permit;
                         let r = worker.inner.take(&call, &|| tx.is_closed()).await;
                         if let Err(Ok(taken)) = tx.send(r) {
                             // The caller stopped waiting in the last instant: its leases'
@@ -1080,9 +1095,11 @@ impl Inner {
         // Across slots: the call runs in a task of its own, so that a timeout stops the wait,
         // not the call: its refunds still run when a slot fails, and if it was admitted after
         // its caller stopped waiting, what it consumed goes back.
+        let permit = self.cross_slot_permit()?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let inner = Arc::clone(&self);
         tokio::spawn(async move {
+            let _permit = permit;
             let r = async {
                 let answers = inner.answers(&call, &|| tx.is_closed()).await?;
                 Ok(inner.verdict(&call, answers.iter().map(|(g, a)| (a, g.items.clone()))))
@@ -1091,6 +1108,20 @@ impl Inner {
             let _ = tx.send(r);
         });
         answer_within(self.timeout, rx).await
+    }
+
+    /// A place for one more call across slots, or the error of a call past the bound.
+    fn cross_slot_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, StoreError> {
+        Arc::clone(&self.cross_slot)
+            .try_acquire_owned()
+            .map_err(|_| {
+                StoreError::Backend(Box::new(RedisError {
+                    message: format!(
+                        "too many calls across slots in flight (at most {})",
+                        self.max_cross_slot
+                    ),
+                }))
+            })
     }
 
     /// The first three script arguments of a call made now.
@@ -1495,6 +1526,7 @@ pub struct RedisStoreBuilder {
     ttl_slack: Duration,
     wait: bool,
     injected: Option<Arc<dyn Clock>>,
+    max_cross_slot: usize,
 }
 
 impl Default for RedisStoreBuilder {
@@ -1512,6 +1544,7 @@ impl Default for RedisStoreBuilder {
             ttl_slack: Duration::from_secs(1),
             wait: true,
             injected: None,
+            max_cross_slot: DEFAULT_MAX_CROSS_SLOT_CALLS,
         }
     }
 }
@@ -1595,6 +1628,18 @@ impl RedisStoreBuilder {
     /// The most connecting (and each reconnection attempt) may take (default 1 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The most calls across slots in flight at once (default
+    /// [`DEFAULT_MAX_CROSS_SLOT_CALLS`], at least 1). Each runs in a task of its own, which
+    /// lasts until its refunds are done even after its caller stopped waiting: while a master
+    /// hangs, a flood of stacks across slots would otherwise hold about rate x 3 timeouts of
+    /// tasks. Past the bound a call across slots fails at once with [`StoreError::Backend`]
+    /// ("too many calls across slots in flight"), consuming nothing, and takes the failure
+    /// policy of a [`ResilientStore`](crate::store::ResilientStore) like any other failure.
+    pub fn max_cross_slot_calls(mut self, max: usize) -> Self {
+        self.max_cross_slot = max.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
         self
     }
 
@@ -1744,6 +1789,8 @@ impl RedisStoreBuilder {
                 instance,
                 tokens: AtomicU64::new(0),
                 routing: partition::Routing::default(),
+                cross_slot: Arc::new(tokio::sync::Semaphore::new(self.max_cross_slot)),
+                max_cross_slot: self.max_cross_slot,
             }),
         })
     }
