@@ -219,3 +219,27 @@ local function store_hash(key, sec, p, had_p, ttl, ...)
   end
   redis.call('PEXPIRE', key, ttl)
 end
+
+-- The answer of check.lua and take.lua: when every check was admitted (`all` = 1), commits
+-- each one's consumption; then {all, and per check: allowed, remaining, reset_after,
+-- retry_after, ref_b, ref_t}, with take.lua's `granted` after each (0 unless all admitted).
+local function commit_and_answer(all, decisions, commits, tokens, slack, granted)
+  local out = { all }
+  for i = 1, #decisions do
+    local ref_b, ref_t = 0, 0
+    if all == 1 and commits[i] then
+      ref_b, ref_t = commits[i](slack, tokens[i])
+    end
+    local d = decisions[i]
+    out[#out + 1] = d[1]
+    out[#out + 1] = d[2]
+    out[#out + 1] = d[3]
+    out[#out + 1] = d[4]
+    out[#out + 1] = ref_b
+    out[#out + 1] = ref_t
+    if granted then
+      out[#out + 1] = (all == 1) and granted[i] or 0
+    end
+  end
+  return out
+end

@@ -38,22 +38,4 @@ for i = 1, n do
     all = 0
   end
 end
-local out = { all }
-for i = 1, n do
-  local ref_b, ref_t, g = 0, 0, 0
-  if all == 1 then
-    g = granted[i]
-    if commits[i] then
-      ref_b, ref_t = commits[i](slack, tokens[i])
-    end
-  end
-  local d = decisions[i]
-  out[#out + 1] = d[1]
-  out[#out + 1] = d[2]
-  out[#out + 1] = d[3]
-  out[#out + 1] = d[4]
-  out[#out + 1] = ref_b
-  out[#out + 1] = ref_t
-  out[#out + 1] = g
-end
-return out
+return commit_and_answer(all, decisions, commits, tokens, slack, granted)
