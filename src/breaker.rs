@@ -381,6 +381,16 @@ impl<C: Clock> Breaker<C> {
         }
     }
 
+    /// Closes the breaker whatever its state, telling the observer: for a breaker no call
+    /// goes through any more (a part of a store that has left it), whose last state would
+    /// otherwise be reported for ever.
+    pub(crate) fn reset(&self) {
+        let mut machine = self.machine.lock();
+        let change = machine.set(BreakerState::Closed { failures: 0 });
+        drop(machine);
+        self.notify(change);
+    }
+
     /// A failure of the backend; true if it opened the breaker.
     pub(crate) fn failure(&self, permit: Permit) -> bool {
         let mut machine = self.machine.lock();

@@ -5,10 +5,9 @@
 //! the failure policy; with one breaker for the whole store, the hung master's timeouts open
 //! it for every key.
 //!
-//! Killed (its connections refused): the fred client re-reads the Cluster's slots, finds the
-//! dead master still listed, fails to connect to it and reconnects as a whole, so every key
-//! stalls until the master is back or replaced by a failover (RELIABILITY.md). Checked: the
-//! store decides every key again soon after the master is back.
+//! Killed (its connections refused): the same, since the store routes to a pool per master
+//! (fred's own Cluster client reconnects as a whole, and stalled every key); and once the
+//! master is back, every key is decided again.
 //!
 //! Real servers on the real clock (a Cluster's node timeout cannot run on a paused one),
 //! bounded: three runs of about 4 s. `--nocapture` prints the figures RELIABILITY.md quotes.
@@ -94,7 +93,7 @@ async fn fail_one_master_under_load<S: Store + Clone>(
     );
 
     let resilient = ResilientStore::builder(wrap(store.clone()))
-        .timeout(Duration::from_millis(150))
+        .timeout(Duration::from_millis(600))
         .breaker(3, Duration::from_millis(500))
         .failure_policy(FailurePolicy::Closed)
         .build();
@@ -130,11 +129,12 @@ async fn fail_one_master_under_load<S: Store + Clone>(
         }));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // Marked first: a call answered while the signal lands counts with those after.
+    killed.store(true, Ordering::SeqCst);
     match fault {
         Fault::Hang => cluster.nodes[0].signal("STOP"),
         Fault::Kill => cluster.nodes[0].kill(),
     }
-    killed.store(true, Ordering::SeqCst);
     for task in tasks {
         task.await.unwrap();
     }
@@ -144,13 +144,18 @@ async fn fail_one_master_under_load<S: Store + Clone>(
     *tallies.lock()
 }
 
+/// The tests run one at a time: each loads the machine, and the others' load would show as
+/// their latency.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn start() -> Option<(RedisCluster, RedisStore)> {
     // Without full coverage, the live masters keep serving their slots after the node timeout
     // (with Redis's default, `yes`, the whole Cluster refuses every key from then on).
     let cluster = RedisCluster::start_with(&["--cluster-require-full-coverage", "no"])?;
+    // Timeouts well above what a loaded two-core machine can make a live master take.
     let store = RedisStore::builder()
         .cluster(cluster.nodes())
-        .timeout(Duration::from_millis(100))
+        .timeout(Duration::from_millis(500))
         .connect()
         .await
         .unwrap();
@@ -159,6 +164,7 @@ async fn start() -> Option<(RedisCluster, RedisStore)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_master_fails_only_its_own_keys() {
+    let _serial = SERIAL.lock().await;
     let Some((mut cluster, store)) = start().await else {
         return;
     };
@@ -172,7 +178,8 @@ async fn a_hung_master_fails_only_its_own_keys() {
         (0, 0, 0),
         "the live masters' keys are decided by Redis throughout: {live:?}"
     );
-    assert_eq!(hung.decided, 0, "{hung:?}");
+    // Only calls already on their way when it stopped (one per caller at most).
+    assert!(hung.decided <= 8, "{hung:?}");
     assert!(
         hung.short_circuited > 10 * (hung.timeouts + hung.other_errors),
         "{hung:?}"
@@ -190,7 +197,8 @@ async fn a_hung_master_fails_only_its_own_keys() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_store_decides_again_soon_after_a_killed_master_is_back() {
+async fn a_killed_master_fails_only_its_own_keys_until_it_is_back() {
+    let _serial = SERIAL.lock().await;
     let Some((mut cluster, store)) = start().await else {
         return;
     };
@@ -198,7 +206,13 @@ async fn the_store_decides_again_soon_after_a_killed_master_is_back() {
     println!(
         "killed, a breaker per master: live masters' keys {live:?}; dead master's keys {dead:?}"
     );
-    assert_eq!(dead.decided, 0, "{dead:?}");
+    assert!(live.decided > 500, "{live:?}");
+    assert_eq!(
+        (live.timeouts, live.short_circuited, live.other_errors),
+        (0, 0, 0),
+        "the live masters' keys are decided by Redis throughout: {live:?}"
+    );
+    assert!(dead.decided <= 8, "{dead:?}");
     // Back, empty, with its slots (its nodes.conf kept them): every key is decided again.
     cluster.nodes[0].restart();
     let policy = Policy::gcra(Rate::per_second(1_000_000), 1_000_000).unwrap();
@@ -230,6 +244,7 @@ async fn the_store_decides_again_soon_after_a_killed_master_is_back() {
 /// nothing, and once the master answers again the tasks end and the places come back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_across_slots_in_flight_are_bounded() {
+    let _serial = SERIAL.lock().await;
     let Some(cluster) = RedisCluster::start_with(&["--cluster-require-full-coverage", "no"]) else {
         return;
     };
@@ -276,20 +291,28 @@ async fn calls_across_slots_in_flight_are_bounded() {
             ))
         })
         .collect();
+    // The four with a place wait in their tasks for the hung master.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(store.cross_slot_calls(), 4);
     let mut refused_at_once = 0;
     let mut timed_out = 0;
     for call in calls {
         match call.await.unwrap() {
-            (Err(StoreError::Backend(e)), took) if e.to_string().contains("across slots") => {
-                assert!(took < Duration::from_millis(100), "{took:?}");
+            (Err(StoreError::Busy(why)), took) => {
+                assert!(why.contains("across slots"), "{why}");
+                // At once: well before the 300 ms timeout, even on a loaded machine.
+                assert!(took < Duration::from_millis(250), "{took:?}");
                 refused_at_once += 1;
             }
             (Err(StoreError::Timeout(_)), _) => timed_out += 1,
             other => panic!("{other:?}"),
         }
     }
-    assert_eq!((refused_at_once, timed_out), (6, 4));
-    assert_eq!(store.cross_slot_calls(), 4);
+    assert_eq!(
+        (refused_at_once, timed_out),
+        (6, 4),
+        "refused at once, timed out"
+    );
     cluster.nodes[0].signal("CONT");
     // The tasks end (their refunds run), the places come back, and stacks go through again.
     let back = Instant::now();

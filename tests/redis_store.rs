@@ -502,6 +502,21 @@ async fn a_fixed_window_refund_takes_back_only_its_own_consumption() {
     assert_eq!(key.remaining("fw").await, 998);
 }
 
+/// A state read as stale (older than its horizon, its key not expired yet: a long TTL slack)
+/// starts afresh with no pending refunds: a late refund of the old state's consumption takes
+/// nothing back from the new state's count.
+#[tokio::test]
+async fn a_stale_states_pending_refunds_do_not_carry_over() {
+    let server = redis_or_skip!();
+    let mut key = Pending::fixed_window(&server, "stale").await;
+    key.consume("old", 5);
+    // Past the window and the 2 s its state is kept for: stale, while Redis still has it.
+    key.advance(63);
+    key.consume("", 3);
+    key.refund("old", 5);
+    assert_eq!(key.remaining("stale").await, 997);
+}
+
 /// A sliding window's refund takes back only its own consumption too, from `cur` while its
 /// window lasts and from `prev` in the next one; twice, or after the consumption was lost,
 /// it subtracts nothing.

@@ -116,7 +116,7 @@ impl Leases {
         // Should this future be dropped while the script is on its way, or the answer be lost
         // (a timeout), the lease may be taken all the same: `unsure` gives it back, on the
         // same connection, so after the acquire.
-        let connection = self.store.connection();
+        let connection = self.store.connection(&redis_key);
         let mut unsure = Unsure {
             leases: self,
             connection: &connection,

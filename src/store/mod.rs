@@ -232,6 +232,10 @@ pub enum StoreError {
     CircuitOpen,
     /// The backend failed.
     Backend(BoxError),
+    /// The store refused the call before asking its backend, for lack of room of its own
+    /// (the Redis store's bound on calls across slots in flight): not a sign of the backend's
+    /// health, so no circuit breaker counts it; the failure policy answers.
+    Busy(String),
 }
 
 impl fmt::Display for StoreError {
@@ -251,6 +255,7 @@ impl fmt::Display for StoreError {
             StoreError::Timeout(after) => write!(f, "the store did not answer within {after:?}"),
             StoreError::CircuitOpen => f.write_str("the store is considered down (circuit open)"),
             StoreError::Backend(e) => write!(f, "the store failed: {e}"),
+            StoreError::Busy(why) => write!(f, "the store is busy: {why}"),
         }
     }
 }

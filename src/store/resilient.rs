@@ -22,8 +22,13 @@
 //! ([`Store::partition`]: a Redis Cluster's master), and then each part has a breaker of its
 //! own: one master down opens the breaker of the keys it holds, and the other masters' keys
 //! are decided as usual. A call whose checks span several parts goes through only if every
-//! one of their breakers lets it, and its answer counts for each of them. At most
-//! [`MAX_PARTITION_BREAKERS`] parts get their own; the rest share the store's breaker.
+//! one of their breakers lets it; its success counts for each, and its failure for each part
+//! that has not answered another call since it was sent (so a stack across a healthy master
+//! and a hung one does not open the healthy one's breaker while that one answers its own
+//! keys). At most [`MAX_PARTITION_BREAKERS`] parts have their own at once; the rest share the
+//! store's. A part no call has gone to for a while (ten times `open_for`, at least a minute:
+//! a master replaced in a failover) loses its breaker, closed first so that its last state is
+//! not reported for ever; so does the store's own once parts have taken over.
 //!
 //! Only answers that reached the backend say anything about its health. Caller errors
 //! ([`StoreError::CostExceedsLimit`], [`StoreError::KeyTooLong`], [`StoreError::Unsupported`])
@@ -59,7 +64,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -88,6 +93,9 @@ pub const DEFAULT_STORE_NAME: &str = "default";
 /// The most parts of a store ([`Store::partition`]) that get a breaker of their own; beyond,
 /// they share the store's.
 pub const MAX_PARTITION_BREAKERS: usize = 256;
+
+/// The least time a part's breaker is kept without a call going to it.
+const PART_IDLE: Duration = Duration::from_secs(60);
 
 /// What to answer when the store fails or the breaker is open.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -192,8 +200,16 @@ struct Shared<S> {
     timeout: Duration,
     policy: FailurePolicy,
     breaker: Arc<Breaker<TokioClock>>,
+    /// The store's breaker as a gate, for calls no part is named for.
+    whole: Arc<Gate>,
     /// The breakers of the store's parts, made on first use (see [`Store::partition`]).
-    parts: RwLock<HashMap<u32, Arc<Breaker<TokioClock>>>>,
+    parts: RwLock<HashMap<u32, Arc<Gate>>>,
+    /// Whether a part has ever been named (then gates keep when they were last used).
+    partitioned: AtomicBool,
+    /// When idle gates were last looked for (breaker clock, ns).
+    pruned_at: AtomicU64,
+    /// How long a part's gate may go unused before it is dropped (ns).
+    idle: u64,
     threshold: u32,
     open_for: Duration,
     fallback: MemoryStore,
@@ -301,12 +317,13 @@ impl<S> ResilientStore<S> {
     /// The state of each breaker now: the store's (`None`), then each part's by its number
     /// ([`Store::partition`]), in order.
     pub fn breaker_states(&self) -> Vec<(Option<u32>, BreakerStatus)> {
+        self.shared.prune(self.shared.breaker.now());
         let mut parts: Vec<(Option<u32>, BreakerStatus)> = self
             .shared
             .parts
             .read()
             .iter()
-            .map(|(part, b)| (Some(*part), b.status()))
+            .map(|(part, gate)| (Some(*part), gate.breaker.status()))
             .collect();
         parts.sort_by_key(|(part, _)| *part);
         parts.insert(0, (None, self.shared.breaker.status()));
@@ -333,7 +350,10 @@ impl<S: Store> ResilientStore<S> {
         // `check_all` included, so that a probe that ends without an answer (a panic, a future
         // dropped unpolled or mid-flight) hands the probe to the next call instead of holding
         // the breaker half-open.
-        let permits = shared.permits(checks);
+        let (permits, sent) = match shared.permits(checks) {
+            Some((permits, sent)) => (Some(permits), sent),
+            None => (None, 0),
+        };
         let owned: Vec<(String, Policy, u64)> = match shared.policy {
             FailurePolicy::LocalFallback => checks
                 .iter()
@@ -367,9 +387,7 @@ impl<S: Store> ResilientStore<S> {
                         }
                         match answer {
                             Ok(Ok(decision)) if decision.reached_backend() => {
-                                for (breaker, permit, _) in &permits {
-                                    breaker.success(*permit);
-                                }
+                                shared.success(&permits);
                                 return Ok(decision);
                             }
                             Ok(Ok(decision)) => {
@@ -388,13 +406,21 @@ impl<S: Store> ResilientStore<S> {
                                 shared.telemetry.error(&e);
                                 return Err(e);
                             }
+                            Ok(Err(e @ StoreError::Busy(_))) => {
+                                // Refused by the store itself before reaching its backend:
+                                // local saturation, not a sign of the backend's health. The
+                                // failure policy answers; no breaker moves.
+                                release(&mut permits);
+                                shared.telemetry.error(&e);
+                                e
+                            }
                             Ok(Err(e)) => {
-                                shared.failure(&permits, &e);
+                                shared.failure(&mut permits, sent, &e);
                                 e
                             }
                             Err(_) => {
                                 let e = StoreError::Timeout(shared.timeout);
-                                shared.failure(&permits, &e);
+                                shared.failure(&mut permits, sent, &e);
                                 e
                             }
                         }
@@ -406,10 +432,40 @@ impl<S: Store> ResilientStore<S> {
     }
 }
 
+impl<S> Shared<S> {
+    /// Drops the gates of parts no call has gone to for `idle` (closing their breakers first,
+    /// so that their last state is not reported for ever), and closes the store's own when
+    /// parts have taken over from it; at most once every `idle / 4`.
+    fn prune(&self, now: u64) {
+        let last = self.pruned_at.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < self.idle / 4
+            || self
+                .pruned_at
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return;
+        }
+        let stale = |gate: &Gate| now.saturating_sub(gate.used.load(Ordering::Relaxed)) > self.idle;
+        let mut parts = self.parts.write();
+        parts.retain(|_, gate| {
+            if stale(gate) {
+                gate.breaker.reset();
+                return false;
+            }
+            true
+        });
+        if self.partitioned.load(Ordering::Relaxed) && stale(&self.whole) {
+            self.whole.breaker.reset();
+        }
+    }
+}
+
 impl<S: Store> Shared<S> {
-    /// The breakers `checks` go through (the store's, or each part's) with their permits, or
-    /// `None` if one of them refuses the call (then no probe is held).
-    fn permits(&self, checks: &[Check<'_>]) -> Option<Permits> {
+    /// The gates `checks` go through (the store's, or each part's) with their permits, and
+    /// when the call is sent (breaker clock, ns; 0 without parts), or `None` if one of them
+    /// refuses the call (then no probe is held).
+    fn permits(&self, checks: &[Check<'_>]) -> Option<(Permits, u64)> {
         let mut parts: SmallVec<[u32; 4]> = SmallVec::new();
         for check in checks {
             if let Some(part) = self.store.partition(check) {
@@ -419,17 +475,22 @@ impl<S: Store> Shared<S> {
             }
         }
         let mut permits = Permits::new();
+        let mut sent = 0;
         if parts.is_empty() {
-            let breaker = Arc::clone(&self.breaker);
-            let permit = breaker.permit();
-            let guard = ProbeGuard::new(Arc::clone(&breaker), permit);
-            permits.push((breaker, permit, guard));
-        }
-        for part in parts {
-            let breaker = self.part(part);
-            let permit = breaker.permit();
-            let guard = ProbeGuard::new(Arc::clone(&breaker), permit);
-            permits.push((breaker, permit, guard));
+            if self.partitioned.load(Ordering::Relaxed) {
+                sent = self.breaker.now();
+                self.whole.used.store(sent, Ordering::Relaxed);
+            }
+            push_permit(&mut permits, &self.whole);
+        } else {
+            sent = self.breaker.now();
+            for part in parts {
+                let gate = self.part(part, sent);
+                // Parts beyond the bound share the store's gate: one permit for it.
+                if !permits.iter().any(|(g, _, _)| Arc::ptr_eq(g, &gate)) {
+                    push_permit(&mut permits, &gate);
+                }
+            }
         }
         if permits
             .iter()
@@ -439,22 +500,27 @@ impl<S: Store> Shared<S> {
             release(&mut permits);
             return None;
         }
-        Some(permits)
+        Some((permits, sent))
     }
 
-    /// The breaker of part `part`, made on first use (the store's own once
-    /// [`MAX_PARTITION_BREAKERS`] parts have one).
-    fn part(&self, part: u32) -> Arc<Breaker<TokioClock>> {
-        if let Some(breaker) = self.parts.read().get(&part) {
-            return Arc::clone(breaker);
+    /// The gate of part `part`, made on first use (the store's own while
+    /// [`MAX_PARTITION_BREAKERS`] parts have one), marked used at `now`.
+    fn part(&self, part: u32, now: u64) -> Arc<Gate> {
+        self.prune(now);
+        if let Some(gate) = self.parts.read().get(&part) {
+            gate.used.store(now, Ordering::Relaxed);
+            return Arc::clone(gate);
         }
         let mut parts = self.parts.write();
-        if let Some(breaker) = parts.get(&part) {
-            return Arc::clone(breaker);
+        if let Some(gate) = parts.get(&part) {
+            gate.used.store(now, Ordering::Relaxed);
+            return Arc::clone(gate);
         }
         if parts.len() >= MAX_PARTITION_BREAKERS {
-            return Arc::clone(&self.breaker);
+            self.whole.used.store(now, Ordering::Relaxed);
+            return Arc::clone(&self.whole);
         }
+        self.partitioned.store(true, Ordering::Relaxed);
         let breaker = Breaker::new(TokioClock::new(), self.threshold, self.open_for);
         // Each part's breaker is reported as `<store>:<part>`.
         #[cfg(any(feature = "metrics", feature = "tracing"))]
@@ -463,13 +529,28 @@ impl<S: Store> Shared<S> {
             &Arc::from(format!("{}:{part}", self.name)),
             self.open_for,
         ));
-        let breaker = Arc::new(breaker);
-        parts.insert(part, Arc::clone(&breaker));
-        breaker
+        let gate = Arc::new(Gate::new(Arc::new(breaker), now));
+        parts.insert(part, Arc::clone(&gate));
+        gate
     }
 
-    /// A call that reached the store failed with `error`.
-    fn failure(&self, permits: &Permits, error: &StoreError) {
+    /// A call that reached the store succeeded: each of its gates closes (or stays closed).
+    fn success(&self, permits: &Permits) {
+        let now = if permits.len() > 1 || self.partitioned.load(Ordering::Relaxed) {
+            self.breaker.now()
+        } else {
+            0
+        };
+        for (gate, permit, _) in permits {
+            gate.breaker.success(*permit);
+            gate.succeeded.fetch_max(now, Ordering::Relaxed);
+        }
+    }
+
+    /// A call that reached the store, sent at `sent`, failed with `error`. A call across
+    /// parts counts against each part that has not answered another call since it was sent
+    /// (the others answer: the failure was not theirs), handing their probes on.
+    fn failure(&self, permits: &mut Permits, sent: u64, error: &StoreError) {
         self.counters.failures.fetch_add(1, Ordering::Relaxed);
         if matches!(error, StoreError::Timeout(_)) {
             self.counters.timeouts.fetch_add(1, Ordering::Relaxed);
@@ -498,8 +579,13 @@ impl<S: Store> Shared<S> {
                 "the rate-limit store failed"
             );
         }
-        for (breaker, permit, _) in permits {
-            if breaker.failure(*permit) {
+        let across = permits.len() > 1;
+        for (gate, permit, guard) in permits {
+            if across && gate.succeeded.load(Ordering::Relaxed) > sent {
+                guard.release();
+                continue;
+            }
+            if gate.breaker.failure(*permit) {
                 self.counters.breaker_opened.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -557,8 +643,33 @@ impl<S: Store> Shared<S> {
     }
 }
 
-/// The breakers a call goes through, each with its permit and the guard of its probe.
-type Permits = SmallVec<[(Arc<Breaker<TokioClock>>, Permit, ProbeGuard<TokioClock>); 1]>;
+/// A breaker of the store or of one of its parts, with when a call last went through it and
+/// when one last succeeded (breaker clock, ns; kept only once a part has been named).
+struct Gate {
+    breaker: Arc<Breaker<TokioClock>>,
+    used: AtomicU64,
+    succeeded: AtomicU64,
+}
+
+impl Gate {
+    fn new(breaker: Arc<Breaker<TokioClock>>, now: u64) -> Self {
+        Self {
+            breaker,
+            used: AtomicU64::new(now),
+            succeeded: AtomicU64::new(0),
+        }
+    }
+}
+
+/// The gates a call goes through, each with its permit and the guard of its probe.
+type Permits = SmallVec<[(Arc<Gate>, Permit, ProbeGuard<TokioClock>); 1]>;
+
+/// Asks `gate` for a permit, guarding its probe (if it is one) from the start.
+fn push_permit(permits: &mut Permits, gate: &Arc<Gate>) {
+    let permit = gate.breaker.permit();
+    let guard = ProbeGuard::new(Arc::clone(&gate.breaker), permit);
+    permits.push((Arc::clone(gate), permit, guard));
+}
 
 /// The call got an answer that says nothing of the backend (or will not be made): any probe
 /// it held goes to the next call.
@@ -736,6 +847,7 @@ impl<S: Store> ResilientStoreBuilder<S> {
             &name,
             self.open_for,
         ));
+        let breaker = Arc::new(breaker);
         let fallback = self.fallback.unwrap_or_else(|| {
             MemoryStore::builder()
                 .name(format!("{name}-fallback"))
@@ -748,8 +860,13 @@ impl<S: Store> ResilientStoreBuilder<S> {
                 store: self.store,
                 timeout: self.timeout,
                 policy: self.policy,
-                breaker: Arc::new(breaker),
+                whole: Arc::new(Gate::new(Arc::clone(&breaker), 0)),
+                breaker,
                 parts: RwLock::new(HashMap::new()),
+                partitioned: AtomicBool::new(false),
+                pruned_at: AtomicU64::new(0),
+                idle: u64::try_from(self.open_for.saturating_mul(10).max(PART_IDLE).as_nanos())
+                    .unwrap_or(u64::MAX),
                 threshold: self.threshold,
                 open_for: self.open_for,
                 fallback,
@@ -887,6 +1004,165 @@ mod tests {
         fn partition(&self, check: &Check<'_>) -> Option<u32> {
             Some(if check.key().starts_with("a:") { 1 } else { 2 })
         }
+    }
+
+    /// A store whose parts are named by a key's prefix before `:` (`p7:x` is part 7; a key
+    /// without a number, no part), with a set of parts that hang, and one that answers
+    /// `Busy` for every call while `busy` is set.
+    #[derive(Clone, Default)]
+    struct Routed {
+        down: Arc<Mutex<Vec<u32>>>,
+        busy: Arc<std::sync::atomic::AtomicBool>,
+        calls: Arc<AtomicU64>,
+    }
+
+    impl Store for Routed {
+        type Future = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+
+        fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if self.busy.load(Ordering::SeqCst) {
+                return Box::pin(std::future::ready(Err(StoreError::Busy("full".into()))));
+            }
+            let down = self.down.lock();
+            if checks
+                .iter()
+                .any(|c| self.partition(c).is_some_and(|p| down.contains(&p)))
+            {
+                return Box::pin(std::future::pending());
+            }
+            Box::pin(std::future::ready(answer(OK, 4)))
+        }
+
+        fn partition(&self, check: &Check<'_>) -> Option<u32> {
+            check
+                .key()
+                .strip_prefix('p')?
+                .split(':')
+                .next()?
+                .parse()
+                .ok()
+        }
+    }
+
+    fn routed(store: &Routed) -> ResilientStore<Routed> {
+        ResilientStore::builder(store.clone())
+            .timeout(Duration::from_millis(100))
+            .breaker(3, Duration::from_secs(1))
+            .build()
+    }
+
+    /// A stack across a hung part and a healthy one that answers its own keys counts against
+    /// the hung part only: the healthy part's breaker stays closed.
+    #[tokio::test(start_paused = true)]
+    async fn a_stack_across_parts_fails_only_the_part_that_fails() {
+        let store = Routed::default();
+        let s = routed(&store);
+        let p = policy();
+        store.down.lock().push(1);
+        let both = [Check::new("p1:a", &p, 1), Check::new("p2:a", &p, 1)];
+        // Three stacks out at once, failing together after part 2 answered its own key.
+        let (a, b, c, own) = tokio::join!(
+            s.check_all(&both),
+            s.check_all(&both),
+            s.check_all(&both),
+            async {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                s.check("p2:b", &p, 1).await
+            }
+        );
+        assert!(a.is_err() && b.is_err() && c.is_err());
+        assert!(own.unwrap().allowed());
+        let states = s.breaker_states();
+        assert!(
+            states.contains(&(Some(1), BreakerStatus::Open)),
+            "{states:?}"
+        );
+        assert!(
+            states.contains(&(Some(2), BreakerStatus::Closed)),
+            "{states:?}"
+        );
+        assert!(s.check("p2:c", &p, 1).await.unwrap().allowed());
+    }
+
+    /// A part no call goes to any more (its master replaced in a failover) loses its breaker
+    /// after a while, closed first: its last state is not reported for ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_part_that_left_does_not_stay_open() {
+        let store = Routed::default();
+        let s = routed(&store);
+        let p = policy();
+        store.down.lock().push(1);
+        for _ in 0..3 {
+            assert!(s.check("p1:a", &p, 1).await.is_err());
+        }
+        assert_eq!(s.breaker_state(), BreakerStatus::Open);
+        // The keys now go to part 3; part 1 is never asked again.
+        for _ in 0..70 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert!(s.check("p3:a", &p, 1).await.unwrap().allowed());
+        }
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        assert_eq!(
+            s.breaker_states(),
+            vec![
+                (None, BreakerStatus::Closed),
+                (Some(3), BreakerStatus::Closed)
+            ]
+        );
+    }
+
+    /// Parts beyond the bound share the store's breaker, and a call across two of them takes
+    /// its permit once: one failure is one failure.
+    #[tokio::test(start_paused = true)]
+    async fn parts_beyond_the_bound_share_the_stores_breaker_once() {
+        let store = Routed::default();
+        let s = routed(&store);
+        let p = policy();
+        for part in 0..MAX_PARTITION_BREAKERS as u32 {
+            assert!(s.check(&format!("p{part}:a"), &p, 1).await.is_ok());
+        }
+        store.down.lock().extend([1000, 1001]);
+        let both = [Check::new("p1000:a", &p, 1), Check::new("p1001:a", &p, 1)];
+        assert!(matches!(
+            s.check_all(&both).await,
+            Err(StoreError::Timeout(_))
+        ));
+        assert!(matches!(
+            s.check_all(&both).await,
+            Err(StoreError::Timeout(_))
+        ));
+        // Two failures of a threshold of three: still closed.
+        assert_eq!(s.breaker_states()[0], (None, BreakerStatus::Closed));
+        assert!(matches!(
+            s.check_all(&both).await,
+            Err(StoreError::Timeout(_))
+        ));
+        assert_eq!(s.breaker_states()[0], (None, BreakerStatus::Open));
+    }
+
+    /// A store too busy to take the call (its own bound, not its backend) takes the failure
+    /// policy, and no breaker counts it.
+    #[tokio::test(start_paused = true)]
+    async fn a_busy_store_moves_no_breaker() {
+        let store = Routed::default();
+        let s = ResilientStore::builder(store.clone())
+            .breaker(1, Duration::from_secs(1))
+            .failure_policy(FailurePolicy::Open)
+            .build();
+        let p = policy();
+        store.busy.store(true, Ordering::SeqCst);
+        for key in ["p1:a", "k"] {
+            for _ in 0..5 {
+                let d = s.check(key, &p, 1).await.unwrap();
+                assert!(d.allowed());
+            }
+        }
+        assert_eq!(s.stats().failed_open, 10);
+        assert_eq!(s.stats().failures, 0);
+        assert_eq!(s.breaker_state(), BreakerStatus::Closed);
+        store.busy.store(false, Ordering::SeqCst);
+        assert_eq!(store.calls.load(Ordering::SeqCst), 10);
     }
 
     /// One part down opens only its own breaker: the other part's keys are decided by the

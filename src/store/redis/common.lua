@@ -53,6 +53,9 @@ local function load_hash(key, sec, horizon, fields)
     return nil
   end
   if (sec - b) * NS > horizon + 2 * NS then
+    -- Stale: as good as fresh, and so are its pending refunds, which must not be read as the
+    -- next state's (a late refund would take back what it never counted).
+    redis.call('HDEL', key, 'p', 'q')
     return nil
   end
   local out = { shift = (sec - b) * NS }

@@ -49,7 +49,12 @@ ALGORITHMS['fixed_window'] = function(key, limit, window, cost, horizon, sec, no
     if token ~= '' then
       p = pending_add(p, token, cost, now_ms(sec, now))
     end
-    store_hash(key, sec, p, s and s.p, ttl_ms(new[1] + window - now, slack),
+    -- The list is written only when it changed (a call without a token leaves it as it is).
+    local old = s and s.p
+    if p == old then
+      p, old = nil, nil
+    end
+    store_hash(key, sec, p, old, ttl_ms(new[1] + window - now, slack),
       'start', int(new[1]), 'count', int(new[2]))
     return 0, 0
   end
@@ -69,6 +74,9 @@ REFUNDS['fixed_window'] = function(key, limit, window, cost, horizon, token, ref
   local delta, p = pending_take(s.p, token, settle, cost)
   if settle then
     delta = 0
+  end
+  if delta == 0 and p == s.p then
+    return
   end
   redis.call('HSET', key, 'count', int(max(s.count - delta, 0)))
   if p then

@@ -190,6 +190,7 @@
 //! over-rejection, bounded by the maximum age, never an over-admission). Local answers are
 //! marked [`Decision::without_backend`], so a breaker does not take them for a healthy Redis.
 
+mod cluster;
 mod deny;
 pub(crate) mod keys;
 mod leased;
@@ -384,7 +385,7 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    pool: Pool,
+    backend: Backend,
     clustered: bool,
     names: KeyNames,
     max_key_len: usize,
@@ -397,8 +398,6 @@ struct Inner {
     scripts: Scripts,
     instance: u64,
     tokens: AtomicU64,
-    /// The client's map of the Cluster, for [`Store::partition`].
-    routing: partition::Routing,
     /// One permit per call across slots in flight (each runs in a task of its own).
     cross_slot: Arc<tokio::sync::Semaphore>,
     max_cross_slot: usize,
@@ -409,9 +408,11 @@ impl Drop for Inner {
         // The last clone is gone: close the connections (and stop reconnecting) in the
         // background, if there is still a runtime to do it on.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let pool = self.pool.clone();
+            let pools = self.backend.pools();
             runtime.spawn(async move {
-                let _ = pool.quit().await;
+                for pool in pools {
+                    let _ = pool.quit().await;
+                }
             });
         }
     }
@@ -645,7 +646,7 @@ impl RedisStore {
         let calls = by_key.into_values().map(|group| async move {
             let build = || inner.refund_args(inner.now_args(), group.iter().cloned(), "refund");
             let units: u64 = group.iter().map(|(_, u)| *u).sum();
-            eval::<Value, _>(&inner.pool, &inner.scripts.refund, build)
+            eval::<Value>(&inner.backend, &inner.scripts.refund, build)
                 .await
                 .map_err(|e| (units, backend_error(&e, inner.timeout)))
         });
@@ -717,10 +718,10 @@ impl RedisStore {
         ))
     }
 
-    /// One of the pooled connections: calls made on it run in the order they were made (an
-    /// acquire, then the release that undoes it).
-    pub(crate) fn connection(&self) -> Client {
-        self.inner.pool.next().clone()
+    /// One of the pooled connections to the node that holds `key`: calls made on it run in
+    /// the order they were made (an acquire, then the release that undoes it).
+    pub(crate) fn connection(&self, key: &Key) -> Client {
+        self.inner.backend.pool_for(key).next().clone()
     }
 
     /// The per-call timeout.
@@ -757,8 +758,8 @@ impl RedisStore {
             (vec![key.clone()], args)
         };
         let out = match connection {
-            Some(client) => eval::<Vec<i64>, _>(client, &inner.scripts.lease, build).await,
-            None => eval::<Vec<i64>, _>(&inner.pool, &inner.scripts.lease, build).await,
+            Some(client) => eval_on::<Vec<i64>, _>(client, &inner.scripts.lease, build).await,
+            None => eval::<Vec<i64>>(&inner.backend, &inner.scripts.lease, build).await,
         }
         .map_err(|e| backend_error(&e, inner.timeout))?;
         match out[..] {
@@ -776,7 +777,7 @@ impl fmt::Debug for RedisStore {
             .field("prefix", &self.inner.names.prefix)
             .field("slots", &self.inner.names.slots)
             .field("cluster", &self.inner.clustered)
-            .field("pool_size", &self.inner.pool.size())
+            .field("pool_size", &self.inner.backend.pool_size())
             .field("timeout", &self.inner.timeout)
             .field("deny_cache", &self.inner.deny.is_some())
             .finish_non_exhaustive()
@@ -1115,12 +1116,10 @@ impl Inner {
         Arc::clone(&self.cross_slot)
             .try_acquire_owned()
             .map_err(|_| {
-                StoreError::Backend(Box::new(RedisError {
-                    message: format!(
-                        "too many calls across slots in flight (at most {})",
-                        self.max_cross_slot
-                    ),
-                }))
+                StoreError::Busy(format!(
+                    "too many calls across slots in flight (at most {})",
+                    self.max_cross_slot
+                ))
             })
     }
 
@@ -1178,9 +1177,11 @@ impl Inner {
         self.consume_across_slots(call, gone).await
     }
 
-    /// The refund tokens of a group's items: every algorithm but the sliding log needs one to
-    /// be refunded (a lease's unspent part, or a slot's consumption when another slot
-    /// rejects): the refund takes back only what the token's own consumption recorded.
+    /// The refund tokens of a group's items, for calls across slots or taking leases: every
+    /// algorithm but the sliding log needs one to be refunded (a lease's unspent part, or a
+    /// slot's consumption when another slot rejects), and the refund takes back only what the
+    /// token's own consumption recorded. An admitted call then settles its tokens, one
+    /// fire-and-forget script call (for a fixed window too, which used to need none).
     fn tokens(&self, items: &[&Item], across_slots: bool) -> SmallVec<[String; 4]> {
         items
             .iter()
@@ -1318,10 +1319,10 @@ impl Inner {
                         "settle",
                     );
                     if !keys.is_empty() {
-                        let (pool, lua) = (self.pool.clone(), self.scripts.refund.clone());
+                        let (backend, lua) = (self.backend.clone(), self.scripts.refund.clone());
                         tokio::spawn(async move {
                             let build = || (keys.clone(), args.clone());
-                            let _ = eval::<Value, _>(&pool, &lua, build).await;
+                            let _ = eval::<Value>(&backend, &lua, build).await;
                         });
                     }
                 }
@@ -1330,7 +1331,7 @@ impl Inner {
             // Take back what the slots that admitted consumed.
             let refunds = groups.iter().zip(&results).filter_map(|(g, r)| match r {
                 Ok(a) if a.admitted => {
-                    Some(eval::<Value, _>(&self.pool, &self.scripts.refund, || {
+                    Some(eval::<Value>(&self.backend, &self.scripts.refund, || {
                         let consumed = g.items.iter().zip(&g.tokens).zip(&a.decisions);
                         self.refund_args(
                             self.time_args(call),
@@ -1400,7 +1401,7 @@ impl Inner {
             }
             (keys, args)
         };
-        let out = eval::<Vec<i64>, _>(&self.pool, lua, build)
+        let out = eval::<Vec<i64>>(&self.backend, lua, build)
             .await
             .map_err(|e| backend_error(&e, self.timeout))?;
         if out.len() != 1 + stride * group.items.len() {
@@ -1478,7 +1479,78 @@ fn static_str(s: &'static str) -> Value {
 /// EVALSHA, and EVAL of the whole script if the server has lost it (restart, SCRIPT FLUSH, a
 /// new Cluster node): EVAL caches it again.
 /// `build` makes the keys and arguments (twice after a NOSCRIPT).
-async fn eval<R: fred::types::FromValue, C: LuaInterface + Sync>(
+/// Where the store's commands go: one pool (a single node, or the primary Sentinel names), or
+/// on a Cluster a pool per master, chosen by the slot of a call's keys.
+#[derive(Clone)]
+enum Backend {
+    One(Pool),
+    Cluster(Arc<cluster::Masters>),
+}
+
+impl Backend {
+    /// The pool for a call on `key` (on a Cluster before its map is known: any master's, whose
+    /// `MOVED` then points the way).
+    fn pool_for(&self, key: &Key) -> Pool {
+        match self {
+            Backend::One(pool) => pool.clone(),
+            Backend::Cluster(masters) => masters
+                .pool_for(key.cluster_hash())
+                .map_or_else(|| masters.seed(), |(_, pool)| pool),
+        }
+    }
+
+    /// Every pool.
+    fn pools(&self) -> Vec<Pool> {
+        match self {
+            Backend::One(pool) => vec![pool.clone()],
+            Backend::Cluster(masters) => masters.pools(),
+        }
+    }
+
+    /// The connections of each pool.
+    fn pool_size(&self) -> usize {
+        self.pools().first().map_or(0, Pool::size)
+    }
+}
+
+/// Runs `lua` with the keys and arguments `build` makes, where its keys are: on a Cluster, on
+/// their master, following a `MOVED` once (the script did not run) and reading the map again
+/// in the background after a redirection or a failure.
+async fn eval<R: fred::types::FromValue>(
+    backend: &Backend,
+    lua: &Lua,
+    build: impl Fn() -> (Vec<Key>, Vec<Value>),
+) -> Result<R, FredError> {
+    let masters = match backend {
+        Backend::One(pool) => return eval_on(pool, lua, build).await,
+        Backend::Cluster(masters) => masters,
+    };
+    let slot = build().0.first().map_or(0, Key::cluster_hash);
+    let pool = masters
+        .pool_for(slot)
+        .map_or_else(|| masters.seed(), |(_, pool)| pool);
+    match eval_on::<R, _>(&pool, lua, &build).await {
+        Err(e) if e.is_cluster() => {
+            masters.refresh_soon();
+            match cluster::moved_to(&e) {
+                Some((host, port)) => {
+                    let pool = masters.pool_at(&host, port)?;
+                    eval_on(&pool, lua, build).await
+                }
+                None => Err(e),
+            }
+        }
+        Err(e) => {
+            if *e.kind() != ErrorKind::Timeout || !pool.is_connected() {
+                masters.refresh_soon();
+            }
+            Err(e)
+        }
+        ok => ok,
+    }
+}
+
+async fn eval_on<R: fred::types::FromValue, C: LuaInterface + Sync>(
     pool: &C,
     lua: &Lua,
     build: impl Fn() -> (Vec<Key>, Vec<Value>),
@@ -1580,7 +1652,11 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// A Redis Cluster, found from any of these `(host, port)` nodes.
+    /// A Redis Cluster, found from any of these `(host, port)` nodes. The store reads the
+    /// Cluster's map itself and keeps a connection pool per master, so that one master down
+    /// (hung or killed) fails only the keys it holds, each master with its own circuit breaker
+    /// under a [`ResilientStore`](crate::store::ResilientStore); a `MOVED` answer is followed
+    /// at once and the map read again, and an `ASK` (a slot in mid-migration) fails that call.
     pub fn cluster<H: Into<String>>(mut self, nodes: impl IntoIterator<Item = (H, u16)>) -> Self {
         self.server = Server::Cluster(nodes.into_iter().map(|(h, p)| (h.into(), p)).collect());
         self
@@ -1635,9 +1711,9 @@ impl RedisStoreBuilder {
     /// [`DEFAULT_MAX_CROSS_SLOT_CALLS`], at least 1). Each runs in a task of its own, which
     /// lasts until its refunds are done even after its caller stopped waiting: while a master
     /// hangs, a flood of stacks across slots would otherwise hold about rate x 3 timeouts of
-    /// tasks. Past the bound a call across slots fails at once with [`StoreError::Backend`]
-    /// ("too many calls across slots in flight"), consuming nothing, and takes the failure
-    /// policy of a [`ResilientStore`](crate::store::ResilientStore) like any other failure.
+    /// tasks. Past the bound a call across slots fails at once with [`StoreError::Busy`],
+    /// consuming nothing; a [`ResilientStore`](crate::store::ResilientStore) answers it with
+    /// its failure policy, and no breaker counts it (it says nothing of Redis's health).
     pub fn max_cross_slot_calls(mut self, max: usize) -> Self {
         self.max_cross_slot = max.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
         self
@@ -1730,41 +1806,59 @@ impl RedisStoreBuilder {
                 p.default_command_timeout = timeout;
             })
             .set_policy(ReconnectPolicy::new_exponential(0, 50, 1000, 2));
-        let pool = builder
-            .build_pool(self.pool_size)
-            .map_err(|e| config_error(e.details().into()))?;
-        let scripts = Scripts::new();
-        if !self.wait {
-            // Connect in the background; until then calls fail fast, and the first one after
-            // sends its script with EVAL.
-            let _handles = pool.connect_pool();
-        } else {
-            match tokio::time::timeout(connect_timeout + timeout, pool.init()).await {
-                Ok(Ok(_handle)) => {}
-                Ok(Err(e)) => return Err(backend_error(&e, connect_timeout)),
-                Err(_) => {
-                    let _ = pool.quit().await;
-                    return Err(StoreError::Timeout(connect_timeout));
-                }
-            }
-        }
-        for lua in scripts.all().filter(|_| self.wait) {
-            let loaded = if clustered {
-                pool.next().script_load_cluster::<Value, _>(lua.text).await
-            } else {
-                pool.next().script_load::<Value, _>(lua.text).await
-            };
-            loaded.map_err(|e| backend_error(&e, timeout))?;
-        }
         let local: Arc<dyn Clock> = match &self.injected {
             Some(c) => Arc::clone(c),
             None => Arc::new(SystemClock::new()),
         };
+        let scripts = Scripts::new();
+        let backend = if clustered {
+            // A pool per master, routed by the store (see cluster.rs).
+            let masters = cluster::Masters::connect(
+                builder,
+                self.pool_size,
+                self.wait,
+                connect_timeout + timeout,
+                Arc::clone(&local),
+            )
+            .await
+            .map_err(|e| backend_error(&e, connect_timeout))?;
+            Backend::Cluster(masters)
+        } else {
+            let pool = builder
+                .build_pool(self.pool_size)
+                .map_err(|e| config_error(e.details().into()))?;
+            if !self.wait {
+                // Connect in the background; until then calls fail fast, and the first one
+                // after sends its script with EVAL.
+                let _handles = pool.connect_pool();
+            } else {
+                match tokio::time::timeout(connect_timeout + timeout, pool.init()).await {
+                    Ok(Ok(_handle)) => {}
+                    Ok(Err(e)) => return Err(backend_error(&e, connect_timeout)),
+                    Err(_) => {
+                        let _ = pool.quit().await;
+                        return Err(StoreError::Timeout(connect_timeout));
+                    }
+                }
+            }
+            Backend::One(pool)
+        };
+        if self.wait {
+            // On a Cluster, every master; a master met later runs its first script with EVAL.
+            for pool in backend.pools() {
+                for lua in scripts.all() {
+                    pool.next()
+                        .script_load::<Value, _>(lua.text)
+                        .await
+                        .map_err(|e| backend_error(&e, timeout))?;
+                }
+            }
+        }
         let hasher = foldhash::fast::RandomState::default();
         let instance = hasher.hash_one((std::process::id(), local.now()));
         Ok(RedisStore {
             inner: Arc::new(Inner {
-                pool,
+                backend,
                 clustered,
                 names: KeyNames {
                     prefix: self.prefix,
@@ -1788,7 +1882,6 @@ impl RedisStoreBuilder {
                 scripts,
                 instance,
                 tokens: AtomicU64::new(0),
-                routing: partition::Routing::default(),
                 cross_slot: Arc::new(tokio::sync::Semaphore::new(self.max_cross_slot)),
                 max_cross_slot: self.max_cross_slot,
             }),

@@ -92,7 +92,12 @@ ALGORITHMS['sliding_window'] = function(key, limit, window, cost, horizon, sec, 
     if token ~= '' then
       p = pending_add(p, token, cost, now_ms(sec, now))
     end
-    store_hash(key, sec, p, s and s.p, ttl_ms(new[1] + 2 * window - now, slack),
+    -- The list is written only when it changed (a call without a token leaves it as it is).
+    local old = s and s.p
+    if p == old then
+      p, old = nil, nil
+    end
+    store_hash(key, sec, p, old, ttl_ms(new[1] + 2 * window - now, slack),
       'start', int(new[1]), 'prev', int(new[2]), 'cur', int(new[3]))
     return 0, 0
   end
