@@ -1675,3 +1675,66 @@ async fn goodput_holds_with_a_scanner_mixed_in() {
     );
     assert!(clients * 10 >= capacity * 9, "{clients}");
 }
+
+/// At 50 % load, one request in twelve goes to a route whose dependency is down (it answers
+/// 503 at once): the limit stays where it is and every healthy request is served. Before the
+/// fix, any window with one failure in twenty lowered the limit, in use or not: it fell to
+/// its floor and about half the healthy requests were shed.
+#[tokio::test(start_paused = true)]
+async fn a_failing_route_does_not_pull_the_limit_down() {
+    let shed = LoadShedLayer::builder(Limit::vegas(100))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let streams = [
+        stream("healthy", "/", 500, (0, 11_000)),
+        stream("down", "/down", 45, (0, 11_000)),
+    ];
+    let (served, least) = drive_streams(&shed, &Backend::new(100, 100), &streams).await;
+    let healthy = served["healthy"];
+    eprintln!(
+        "a failing route: healthy served {} of {}, limit {} (least {least})",
+        healthy.0,
+        healthy.1,
+        shed.limit()
+    );
+    assert_eq!(healthy.0, healthy.1);
+    assert!(least >= 100, "{least}");
+}
+
+/// gRPC answers `UNAVAILABLE` and `DEADLINE_EXCEEDED` with HTTP 200 and the status in the head
+/// (a trailers-only answer): they are failures, as 503 and 504 are. An AIMD limit of 2, full
+/// with two requests at a time, backs off on them and not on `OK` or `RESOURCE_EXHAUSTED`.
+#[tokio::test(start_paused = true)]
+async fn grpc_unavailable_in_a_200_counts_as_a_failure() {
+    for (status, backs_off) in [("14", true), ("4", true), ("0", false), ("8", false)] {
+        let shed = LoadShedLayer::builder(Limit::aimd(2, Duration::from_millis(10)))
+            .clock(TokioClock::new())
+            .build()
+            .unwrap();
+        let service = shed.layer(tower::service_fn(move |_: Request<String>| async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            let response = Response::builder()
+                .header("content-type", "application/grpc")
+                .header("grpc-status", status)
+                .body(String::new())
+                .unwrap();
+            Ok::<_, Infallible>(response)
+        }));
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let (a, b) = tokio::join!(
+                service.clone().oneshot(get()),
+                service.clone().oneshot(get())
+            );
+            assert_eq!(a.unwrap().status(), StatusCode::OK);
+            let _ = b.unwrap();
+        }
+        assert_eq!(
+            shed.limit() < 2,
+            backs_off,
+            "grpc-status {status}: {}",
+            shed.limit()
+        );
+    }
+}

@@ -19,6 +19,8 @@ pub struct Limit {
     pub(crate) kind: LimitKind,
     pub(crate) min: u32,
     pub(crate) max: u32,
+    /// Whether a window with failures backs off whatever its latency and use.
+    pub(crate) any_failure: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -41,6 +43,7 @@ impl Limit {
             kind: LimitKind::Fixed,
             min: n,
             max: n,
+            any_failure: false,
         }
     }
 
@@ -67,12 +70,15 @@ impl Limit {
             kind: LimitKind::Vegas { initial },
             min: 1,
             max: 1_000,
+            any_failure: false,
         }
     }
 
     /// Additive increase, multiplicative decrease against a latency target: a window of
     /// requests (ten or more, over twice `latency`) whose median is slower than `latency`, or
-    /// in which one failed, multiplies the limit by 0.9; a faster one in which the limit was in
+    /// in which one in twenty failed with 70 % of the limit in flight (see
+    /// [`back_off_on_any_failure`](Limit::back_off_on_any_failure)), multiplies the limit by
+    /// 0.9; a faster one in which the limit was in
     /// use adds one. Simple and predictable when you know the latency your service should
     /// keep. Starts at `initial`, within 1 to 1,000 unless bounded otherwise.
     pub fn aimd(initial: u32, latency: Duration) -> Self {
@@ -84,6 +90,7 @@ impl Limit {
             },
             min: 1,
             max: 1_000,
+            any_failure: false,
         }
     }
 
@@ -94,6 +101,18 @@ impl Limit {
             self.min = min.max(1);
             self.max = max.max(self.min);
         }
+        self
+    }
+
+    /// Backs off on every window in which one request in twenty failed (an error, a 503 or a
+    /// 504, gRPC `UNAVAILABLE` or `DEADLINE_EXCEEDED`), whatever its latency and however much
+    /// of the limit is in use. By default failures count as overload only in a window that is
+    /// also slow (Vegas: a long queue; AIMD: slower than its target) or in which the requests
+    /// in flight reached 70 % of the limit: a route whose dependency is down answers 503 at
+    /// once while the service has room, and would otherwise pull the limit to its floor. Ask
+    /// for this when your service sheds its own load with fast 503s.
+    pub fn back_off_on_any_failure(mut self) -> Self {
+        self.any_failure = true;
         self
     }
 
@@ -111,6 +130,7 @@ impl Limit {
                     confirmed: 0,
                     implausible: 0,
                     samples_since_probe: 0,
+                    any_failure: self.any_failure,
                 },
                 Window::default(),
             ),
@@ -125,6 +145,7 @@ impl Limit {
                     max: f64::from(self.max),
                     target: u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX),
                     backoff: *backoff,
+                    any_failure: self.any_failure,
                 },
                 Window::default(),
             ),
@@ -206,6 +227,13 @@ impl Window {
     }
 }
 
+/// Whether the requests in flight reached 70 % of `limit` in the window (where the least
+/// important class is shed by default): only then do its failures say the limit is too high
+/// (below, a route that fails fast fails alike at any limit).
+fn full(w: &Summary, limit: f64) -> bool {
+    f64::from(w.in_flight) >= (0.7 * limit).floor().max(1.0)
+}
+
 /// What a window saw.
 #[derive(Clone, Copy, Debug)]
 struct Summary {
@@ -284,6 +312,7 @@ pub(crate) struct Vegas {
     /// How many windows in a row estimated the whole limit queued.
     implausible: u32,
     samples_since_probe: u64,
+    any_failure: bool,
 }
 
 impl Vegas {
@@ -335,7 +364,11 @@ impl Vegas {
         } else {
             self.implausible = 0;
         }
-        let next = if w.failed {
+        // Failures are overload when the window is also slow or the limit full (or always, if
+        // asked): a route whose dependency is down fails fast while the service has room.
+        let overloaded =
+            w.failed && (self.any_failure || full(&w, self.limit) || queue > 6.0 * log);
+        let next = if overloaded {
             self.limit - log
         } else if !in_use {
             // The limit is not in use: nothing to learn about it.
@@ -359,13 +392,16 @@ pub(crate) struct Aimd {
     max: f64,
     target: u64,
     backoff: f64,
+    any_failure: bool,
 }
 
 impl Aimd {
     fn update(&mut self, w: Summary) {
-        let next = if w.failed || w.typical > self.target {
+        let in_use = f64::from(w.in_flight) * 2.0 >= self.limit;
+        let failed = w.failed && (self.any_failure || full(&w, self.limit));
+        let next = if failed || w.typical > self.target {
             self.limit * self.backoff
-        } else if f64::from(w.in_flight) * 2.0 >= self.limit {
+        } else if in_use {
             self.limit + 1.0
         } else {
             return;
@@ -404,8 +440,8 @@ mod tests {
                 feed(&mut c, &mut at, 1, 1 + (i % 7) * 50, 1_000, i % 11 == 0);
                 assert!((5..=50).contains(&c.limit()), "{limit:?}: {}", c.limit());
             }
-            // Failures only: down to the floor, never zero.
-            feed(&mut c, &mut at, 10_000, 1, 1, true);
+            // Failures only, with the limit in use: down to the floor, never zero.
+            feed(&mut c, &mut at, 10_000, 1, 1_000, true);
             assert_eq!(c.limit(), 5, "{limit:?}");
         }
         assert_eq!(Limit::vegas(10).bounds(0, 0).controller().limit(), 1);
@@ -464,6 +500,11 @@ mod tests {
         for _ in 0..50 {
             feed(&mut c, &mut at, 19, 50, 10, false);
             feed(&mut c, &mut at, 1, 50, 10, true);
+        }
+        assert_eq!(c.limit(), 100, "one in twenty, the limit not full nor slow");
+        for _ in 0..50 {
+            feed(&mut c, &mut at, 19, 50, 95, false);
+            feed(&mut c, &mut at, 1, 50, 95, true);
         }
         assert!(c.limit() < 100, "one in twenty: {}", c.limit());
     }
@@ -624,5 +665,30 @@ mod tests {
         }
         assert_eq!(least(&c), 500);
         assert!(c.limit() >= 115, "{}", c.limit());
+    }
+
+    /// Failures back off only with the limit in use or a slow window, unless asked always.
+    #[test]
+    fn failures_are_overload_only_under_load_unless_asked() {
+        for limit in [
+            Limit::vegas(100),
+            Limit::aimd(100, Duration::from_millis(100)),
+        ] {
+            let mut c = limit.clone().controller();
+            let mut at = 0;
+            // A route that fails at once, one request in ten, at 20 in flight of 100.
+            for _ in 0..500 {
+                feed(&mut c, &mut at, 9, 50, 20, false);
+                feed(&mut c, &mut at, 1, 1, 20, true);
+            }
+            assert!(c.limit() >= 100, "{limit:?}: {}", c.limit());
+            let mut c = limit.back_off_on_any_failure().controller();
+            let mut at = 0;
+            for _ in 0..500 {
+                feed(&mut c, &mut at, 9, 50, 20, false);
+                feed(&mut c, &mut at, 1, 1, 20, true);
+            }
+            assert!(c.limit() < 50, "{}", c.limit());
+        }
     }
 }
