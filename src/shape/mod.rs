@@ -8,6 +8,13 @@
 //! with `k - 1` ahead of it leaves `k / r` after it arrived (the first one interval after
 //! arriving at an empty queue).
 //!
+//! Even a lone request after an idle spell waits one interval (a minute at one per minute):
+//! this is by design, not a defect. A departure is the end of the request's own interval, so
+//! a request that left at once would start a second interval-long slot only after it, and the
+//! service could see two requests within one interval (one leaving at once after the idle
+//! spell, the next an interval after the previous departure). Put a rate limit (which admits
+//! at once, up to a burst) in front instead where the first request must not wait.
+//!
 //! The queue is kept as GCRA keeps a bucket: one departure time per key, in the layer's
 //! [`Store`](crate::Store). In process, a [`MemoryStore`](crate::MemoryStore); on a
 //! `RedisStore`, each request reserves the next departure slot in one atomic script on Redis's
