@@ -8,12 +8,13 @@
 //! with `k - 1` ahead of it leaves `k / r` after it arrived (the first one interval after
 //! arriving at an empty queue).
 //!
-//! Even a lone request after an idle spell waits one interval (a minute at one per minute):
-//! this is by design, not a defect. A departure is the end of the request's own interval, so
-//! a request that left at once would start a second interval-long slot only after it, and the
-//! service could see two requests within one interval (one leaving at once after the idle
-//! spell, the next an interval after the previous departure). Put a rate limit (which admits
-//! at once, up to a burst) in front instead where the first request must not wait.
+//! So even a lone request after an idle spell waits one interval (a minute at one per
+//! minute), and a request of cost `c` waits `c` intervals: a departure is the end of the
+//! request's own reservation of the rate. This is the model's choice, kept on purpose (the
+//! departures are exactly `k / r`, on one process or several sharing Redis); letting the
+//! first request of an idle queue leave at once would keep the rate too, but would change
+//! every departure by one interval. At low rates, where one interval is long, put a rate
+//! limit (which admits at once, up to a burst) in front instead of a shaper.
 //!
 //! The queue is kept as GCRA keeps a bucket: one departure time per key, in the layer's
 //! [`Store`](crate::Store). In process, a [`MemoryStore`](crate::MemoryStore); on a
