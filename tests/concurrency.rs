@@ -730,3 +730,65 @@ async fn a_long_key_gets_its_own_tier() {
     let third = service.clone().oneshot(request(&user, "/")).await.unwrap();
     assert_eq!(third.status(), StatusCode::TOO_MANY_REQUESTS);
 }
+
+/// The per-key bound on waiters holds whatever refused the request: with the total cap full,
+/// one user (a per-key limit of 1) takes one waiting place, not all four, and the next user
+/// still waits. Before the fix only a per-key refusal took a per-key place: one user held the
+/// whole queue and the next got `503` at once.
+#[tokio::test(start_paused = true)]
+async fn one_key_cannot_fill_the_queue_when_the_total_cap_refuses() {
+    let limits = ConcurrencyLimitLayer::builder()
+        .rule(Rule::new("per-user").key(Header::from_static("x-user")), 1)
+        .total(2)
+        .queue(4, Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    // The total cap is full: two other users hold both places.
+    let _a = service.clone().oneshot(request("a", "/")).await.unwrap();
+    let _b = service.clone().oneshot(request("b", "/")).await.unwrap();
+    let start = tokio::time::Instant::now();
+    let first = tokio::spawn(service.clone().oneshot(request("c", "/")));
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 1);
+    // User c again: its key has one place, and one request of it waits already.
+    let refused = service.clone().oneshot(request("c", "/")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(start.elapsed(), Duration::ZERO, "refused at once");
+    // Another user still finds a waiting place.
+    let other = tokio::spawn(service.clone().oneshot(request("d", "/")));
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 2);
+    drop((_a, _b));
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(other.await.unwrap().unwrap().status(), StatusCode::OK);
+}
+
+/// The queue's settings agree with `LoadShedLayer`'s: no places or no wait is refused at
+/// build, and a wait of `Duration::MAX` is no deadline (it used to overflow `Instant + wait`
+/// and panic in the first request that waited).
+#[tokio::test(start_paused = true)]
+async fn queue_settings_agree_with_the_shedder() {
+    let b = || ConcurrencyLimitLayer::builder().total(1);
+    for (places, wait) in [(0, Duration::from_secs(1)), (4, Duration::ZERO)] {
+        assert_eq!(
+            b().queue(places, wait).build().unwrap_err(),
+            ConcurrencyError::InvalidQueue {
+                max_waiting: places,
+                max_wait: wait
+            }
+        );
+    }
+    let limits = b().queue(4, Duration::MAX).build().unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let held = service.clone().oneshot(request("a", "/")).await.unwrap();
+    let waiting = tokio::spawn(service.clone().oneshot(request("b", "/")));
+    tokio::time::sleep(Duration::from_secs(3_600)).await;
+    assert_eq!(limits.queued(), 1, "still waiting after an hour");
+    drop(held);
+    assert_eq!(waiting.await.unwrap().unwrap().status(), StatusCode::OK);
+}

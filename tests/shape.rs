@@ -316,3 +316,82 @@ async fn a_waiting_request_holds_no_place_inside() {
     assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::OK);
     assert_eq!(*seen.lock().unwrap(), [0, 1_000 * MS]);
 }
+
+/// A cost above the queue can never fit: such a request is refused at once, and cheaper ones
+/// still leave at the rate. Before the fix the cost was cut to the queue's size, so cost-5
+/// requests through 10 per second with a queue of 2 left every 200 ms: 25 units a second.
+#[tokio::test(start_paused = true)]
+async fn a_cost_above_the_queue_is_refused_not_cut() {
+    let shape = ShapeLayer::builder(MemoryStore::with_clock(TokioClock::new()))
+        .rule(
+            Rule::new("upstream").key(Global).cost_fn(|parts: &Parts| {
+                parts
+                    .headers
+                    .get("x-cost")
+                    .map_or(1, |v| v.to_str().unwrap().parse().unwrap())
+            }),
+            Rate::per_second(10),
+            2,
+        )
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let service = shape.layer(recorder(start, seen.clone()));
+    let costly = |cost: &str| {
+        Request::get("/")
+            .header("x-cost", cost)
+            .body(String::new())
+            .unwrap()
+    };
+    for _ in 0..10 {
+        let refused = service.clone().oneshot(costly("5")).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(refused.headers().get("retry-after").is_none());
+    }
+    assert_eq!(start.elapsed(), Duration::ZERO, "refused at once");
+    assert!(seen.lock().unwrap().is_empty(), "none reached the service");
+    // A cost of 2 fits (the whole queue): it leaves after its whole cost.
+    let fits = service.clone().oneshot(costly("2")).await.unwrap();
+    assert_eq!(fits.status(), StatusCode::OK);
+    assert_eq!(start.elapsed(), Duration::from_millis(200));
+}
+
+/// The 429 body states a bucket's rate and burst exactly: a shaper of 10 per second with a
+/// queue of 2 allows 2 per 200 ms, 10 a second (it used to say "2 per 1 s", rounding the
+/// window up to whole seconds).
+#[tokio::test(start_paused = true)]
+async fn the_refusal_states_the_rate_and_the_burst() {
+    let shape = shaper(
+        MemoryStore::with_clock(TokioClock::new()),
+        Rate::per_second(10),
+        2,
+    );
+    let service = shape.layer(recorder(Instant::now(), Arc::new(Mutex::new(Vec::new()))));
+    let mut waiting = Vec::new();
+    for _ in 0..2 {
+        waiting.push(tokio::spawn(
+            service.clone().oneshot(Request::new(String::new())),
+        ));
+    }
+    tokio::task::yield_now().await;
+    let refused = service
+        .clone()
+        .oneshot(Request::new(String::new()))
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    let body = http_body_util::BodyExt::collect(refused.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        problem["detail"].as_str().unwrap(),
+        "Policy \"upstream\" allows 2 per 200 ms (10 per second, in bursts of up to 2); this \
+         request would exceed it. Retry in 1 s."
+    );
+    for w in waiting {
+        assert_eq!(w.await.unwrap().unwrap().status(), StatusCode::OK);
+    }
+}

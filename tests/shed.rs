@@ -1490,3 +1490,251 @@ async fn newcomers_do_not_overtake_waiters_between_threads() {
     }
     assert_eq!((shed.in_flight(), shed.queued()), (0, 0));
 }
+
+/// One stream of requests of the routed simulations: to `path`, `per_second` from `from_ms` to
+/// `until_ms`, from clients that give up after `patience`.
+struct Stream {
+    name: &'static str,
+    path: &'static str,
+    per_second: u64,
+    from_ms: u64,
+    until_ms: u64,
+    patience: Duration,
+}
+
+fn stream(name: &'static str, path: &'static str, per_second: u64, ms: (u64, u64)) -> Stream {
+    Stream {
+        name,
+        path,
+        per_second,
+        from_ms: ms.0,
+        until_ms: ms.1,
+        patience: Duration::from_secs(2),
+    }
+}
+
+/// The simulated service behind a router: `/scan` answers 404 at once (a scanner probing for
+/// pages that do not exist), `/down` 503 at once (a route whose dependency is down), anything
+/// else goes to `backend`.
+fn routed(
+    backend: &Backend,
+) -> impl tower::Service<
+    Request<String>,
+    Response = Response<String>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<String>, Infallible>> + Send,
+> + Clone
++ Send
++ 'static {
+    let backend = backend.clone();
+    tower::service_fn(move |request: Request<String>| {
+        let backend = backend.clone();
+        async move {
+            let status = match request.uri().path() {
+                "/scan" => StatusCode::NOT_FOUND,
+                "/down" => StatusCode::SERVICE_UNAVAILABLE,
+                _ => return backend.service().oneshot(request).await,
+            };
+            let mut response = Response::new(String::new());
+            *response.status_mut() = status;
+            Ok(response)
+        }
+    })
+}
+
+/// Sends `streams` through `shed` to the routed service; per stream, how many requests got a
+/// `200` in time and how many were sent, and the least limit seen (each millisecond).
+async fn drive_streams(
+    shed: &LoadShedLayer,
+    backend: &Backend,
+    streams: &[Stream],
+) -> (HashMap<&'static str, (u64, u64)>, u32) {
+    let served: Arc<Vec<AtomicU64>> = Arc::new(streams.iter().map(|_| AtomicU64::new(0)).collect());
+    let mut sent = vec![0u64; streams.len()];
+    let mut tasks = Vec::new();
+    let mut least = shed.limit();
+    let end = streams.iter().map(|s| s.until_ms).max().unwrap_or(0);
+    for ms in 0..end {
+        for (i, s) in streams.iter().enumerate() {
+            if ms < s.from_ms || ms >= s.until_ms {
+                continue;
+            }
+            let t = ms - s.from_ms;
+            let due = s.per_second * (t + 1) / 1000 - s.per_second * t / 1000;
+            for _ in 0..due {
+                sent[i] += 1;
+                let request = Request::get(s.path).body(String::new()).unwrap();
+                let service = shed.layer(routed(backend));
+                let (served, patience) = (served.clone(), s.patience);
+                tasks.push(tokio::spawn(async move {
+                    let answered = async move {
+                        let response = service.oneshot(request).await.unwrap();
+                        let ok = response.status() == StatusCode::OK;
+                        let _ = response.into_body().collect().await;
+                        ok
+                    };
+                    if let Ok(true) = tokio::time::timeout(patience, answered).await {
+                        served[i].fetch_add(1, Ordering::Relaxed);
+                    }
+                }));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        least = least.min(shed.limit());
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let served = streams
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.name, (served[i].load(Ordering::Relaxed), sent[i])))
+        .collect();
+    (served, least)
+}
+
+/// The scenario: 100 workers at 100 ms (1,000 requests/s), a load of 500/s for 2 s
+/// then 800/s for 1.75 s (2,400 requests, never above 80 % of capacity: nothing queues), and
+/// at 1 s a burst of 400 requests over 200 ms that take no time at all (`burst`). Vegas
+/// starts at 100 and grows to 112 under the first load; the limit the run ends with, the
+/// least it fell to, and the requests served.
+async fn a_burst_then_more_load(burst: Option<Stream>) -> (u32, u32, (u64, u64)) {
+    let shed = LoadShedLayer::builder(Limit::vegas(100))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let backend = Backend::new(100, 100);
+    let mut streams = vec![
+        stream("load", "/", 500, (0, 2_000)),
+        stream("more load", "/", 800, (2_000, 3_750)),
+    ];
+    streams.extend(burst);
+    let (served, least) = drive_streams(&shed, &backend, &streams).await;
+    let load = served["load"];
+    let more = served["more load"];
+    let served = (load.0 + more.0, load.1 + more.1);
+    eprintln!(
+        "limit now {}, least {least}, served {} of {}",
+        shed.limit(),
+        served.0,
+        served.1
+    );
+    (shed.limit(), least, served)
+}
+
+/// Vegas's time without a queue is not lowered by a burst of fast answers: 400 instant 404s
+/// from a scanner over 200 ms, or 400 requests whose clients gave up after 1 ms, leave the
+/// limit where it is (it still grows with the load) and every request is served. Before the
+/// fix, either burst set that time near zero, and the limit fell 112 -> 9 while half the
+/// requests were shed.
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_fast_or_abandoned_answers_does_not_collapse_vegas() {
+    let (calm, calm_least, served) = a_burst_then_more_load(None).await;
+    assert_eq!(
+        served.0, served.1,
+        "without a burst, every request is served"
+    );
+    assert!(calm > 150, "the limit grows with the load: {calm}");
+    assert!(calm_least >= 100);
+    let scanner = stream("scanner", "/scan", 2_000, (1_000, 1_200));
+    let mut abandoned = stream("abandoned", "/", 2_000, (1_000, 1_200));
+    abandoned.patience = Duration::from_millis(1);
+    let mut runs = Vec::new();
+    for burst in [scanner, abandoned] {
+        runs.push((burst.name, a_burst_then_more_load(Some(burst)).await));
+    }
+    for (name, (limit, least, served)) in runs {
+        assert_eq!(served.0, served.1, "{name}: every request is served");
+        assert!(least >= 100, "{name}: the limit fell to {least}");
+        assert!(limit >= calm * 9 / 10, "{name}: {limit} (without {calm})");
+    }
+}
+
+/// The goodput simulation of `goodput_holds_under_150_percent_overload` (150 % load for 20 s,
+/// clients giving up after 2 s) with a scanner mixed in: every 2 s, 400 requests over 200 ms
+/// to pages that do not exist, answered 404 at once. Goodput stays at 90 % of capacity or
+/// more (before the fix of the time without a queue, each burst pulled the limit down).
+#[tokio::test(start_paused = true)]
+async fn goodput_holds_with_a_scanner_mixed_in() {
+    let shed = LoadShedLayer::builder(Limit::vegas(20))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let mut streams = vec![stream("clients", "/", 1_500, (0, 20_000))];
+    for burst in 0..10 {
+        let from = 1_000 + burst * 2_000;
+        streams.push(stream("scanner", "/scan", 2_000, (from, from + 200)));
+    }
+    let (served, least) = drive_streams(&shed, &Backend::new(100, 100), &streams).await;
+    let capacity = 1_000 * 20;
+    let clients = served["clients"].0;
+    eprintln!(
+        "goodput over 20 s at 150 % load with a scanner: {clients} ({:.0} %), limit {} (least {least})",
+        100.0 * clients as f64 / capacity as f64,
+        shed.limit()
+    );
+    assert!(clients * 10 >= capacity * 9, "{clients}");
+}
+
+/// At 40 % load (5,500 healthy requests over 13.75 s), one request in twelve goes to a route
+/// whose dependency is down (it answers 503 at once): the limit stays where it is and every
+/// healthy request is served. Before the fix, any window with one failure in twenty lowered
+/// the limit, in use or not: it fell from 100 to 44 and healthy requests were shed.
+#[tokio::test(start_paused = true)]
+async fn a_failing_route_does_not_pull_the_limit_down() {
+    let shed = LoadShedLayer::builder(Limit::vegas(100))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let streams = [
+        stream("healthy", "/", 400, (0, 13_750)),
+        stream("down", "/down", 36, (0, 13_750)),
+    ];
+    let (served, least) = drive_streams(&shed, &Backend::new(100, 100), &streams).await;
+    let healthy = served["healthy"];
+    eprintln!(
+        "a failing route: healthy served {} of {}, limit {} (least {least})",
+        healthy.0,
+        healthy.1,
+        shed.limit()
+    );
+    assert_eq!(healthy.0, healthy.1);
+    assert!(least >= 100, "{least}");
+}
+
+/// gRPC answers `UNAVAILABLE` and `DEADLINE_EXCEEDED` with HTTP 200 and the status in the head
+/// (a trailers-only answer): they are failures, as 503 and 504 are. An AIMD limit of 2, full
+/// with two requests at a time, backs off on them and not on `OK` or `RESOURCE_EXHAUSTED`.
+#[tokio::test(start_paused = true)]
+async fn grpc_unavailable_in_a_200_counts_as_a_failure() {
+    for (status, backs_off) in [("14", true), ("4", true), ("0", false), ("8", false)] {
+        let shed = LoadShedLayer::builder(Limit::aimd(2, Duration::from_millis(10)))
+            .clock(TokioClock::new())
+            .build()
+            .unwrap();
+        let service = shed.layer(tower::service_fn(move |_: Request<String>| async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            let response = Response::builder()
+                .header("content-type", "application/grpc")
+                .header("grpc-status", status)
+                .body(String::new())
+                .unwrap();
+            Ok::<_, Infallible>(response)
+        }));
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let (a, b) = tokio::join!(
+                service.clone().oneshot(get()),
+                service.clone().oneshot(get())
+            );
+            assert_eq!(a.unwrap().status(), StatusCode::OK);
+            let _ = b.unwrap();
+        }
+        assert_eq!(
+            shed.limit() < 2,
+            backs_off,
+            "grpc-status {status}: {}",
+            shed.limit()
+        );
+    }
+}

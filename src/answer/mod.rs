@@ -434,9 +434,27 @@ pub struct Rejection<'a> {
     pub(crate) decision: Option<Decision>,
     pub(crate) rule: Option<&'a str>,
     pub(crate) policy: Option<&'a str>,
-    pub(crate) window: Option<Duration>,
+    pub(crate) window: Option<PolicySpan>,
     pub(crate) retry_after: Option<Duration>,
     pub(crate) error: Option<&'a StoreError>,
+}
+
+/// What a refusal's text says of the refusing policy: the span its limit is about, and for a
+/// bucket (token or leaky bucket, GCRA, a shaper's queue) its emission interval, so that the
+/// rate is stated as a rate and the limit as a burst.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PolicySpan {
+    window: Duration,
+    interval: Option<Duration>,
+}
+
+impl From<&Policy> for PolicySpan {
+    fn from(policy: &Policy) -> Self {
+        PolicySpan {
+            window: policy.window(),
+            interval: (!policy.algorithm().is_window()).then(|| policy.interval()),
+        }
+    }
 }
 
 impl<'a> Rejection<'a> {
@@ -479,7 +497,7 @@ impl<'a> Rejection<'a> {
     /// The span the refusing policy's limit is about (its window, or for a bucket the time
     /// an empty burst takes to refill), as in `RateLimit-Policy`'s `w`.
     pub fn policy_window(&self) -> Option<Duration> {
-        self.window
+        self.window.map(|span| span.window)
     }
 
     /// How long the client should wait: the exact time for a limit, the configured time for an
@@ -601,11 +619,20 @@ fn problem_response(r: &Rejection<'_>) -> Response<Bytes> {
             json_string(&mut body, QUOTA_EXCEEDED_TITLE);
             let _ = write!(body, ",\"status\":{},\"detail\":", status.as_u16());
             let detail = match (r.decision, r.window) {
-                (Some(d), Some(w)) => format!(
-                    "Policy \"{policy}\" allows {} per {}; this request would exceed it. Retry in {secs} s.",
-                    d.limit(),
-                    HumanSecs(w.as_nanos().div_ceil(1_000_000_000).max(1)),
-                ),
+                (Some(d), Some(span)) => match span.interval {
+                    Some(interval) => format!(
+                        "Policy \"{policy}\" allows {} per {} ({}, in bursts of up to {}); this request would exceed it. Retry in {secs} s.",
+                        d.limit(),
+                        HumanDuration(span.window),
+                        HumanRate(interval),
+                        d.limit(),
+                    ),
+                    None => format!(
+                        "Policy \"{policy}\" allows {} per {}; this request would exceed it. Retry in {secs} s.",
+                        d.limit(),
+                        HumanDuration(span.window),
+                    ),
+                },
                 _ => format!("Policy \"{policy}\" refused this request. Retry in {secs} s."),
             };
             json_string(&mut body, &detail);
@@ -671,11 +698,43 @@ fn problem_response(r: &Rejection<'_>) -> Response<Bytes> {
 }
 
 /// Seconds as "60 s".
-struct HumanSecs(u128);
+/// A duration as a refusal's text states it, exactly: `3 s`, `1.5 s`, `200 ms`, `0.25 ms`.
+struct HumanDuration(Duration);
 
-impl fmt::Display for HumanSecs {
+impl fmt::Display for HumanDuration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} s", self.0)
+        let nanos = self.0.as_nanos();
+        let (unit, scale) = if nanos >= 1_000_000_000 {
+            ("s", 1_000_000_000)
+        } else {
+            ("ms", 1_000_000)
+        };
+        let whole = nanos / scale;
+        // Three decimals at most, trailing zeros dropped.
+        let frac = (nanos % scale) * 1_000 / scale;
+        if frac == 0 {
+            write!(f, "{whole} {unit}")
+        } else {
+            let frac = format!("{frac:03}");
+            write!(f, "{whole}.{} {unit}", frac.trim_end_matches('0'))
+        }
+    }
+}
+
+/// A bucket's rate from its emission interval: `10 per second`, or `1 per 1.5 s` below one a
+/// second.
+struct HumanRate(Duration);
+
+impl fmt::Display for HumanRate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let nanos = self.0.as_nanos().max(1);
+        if nanos <= 1_000_000_000 {
+            // The interval is rounded up to whole nanoseconds: round the rate to the nearest.
+            let per_second = (1_000_000_000 + nanos / 2) / nanos;
+            write!(f, "{per_second} per second")
+        } else {
+            write!(f, "1 per {}", HumanDuration(self.0))
+        }
     }
 }
 
@@ -994,5 +1053,61 @@ mod tests {
             .unwrap();
         assert!(reset > 1_600_000_000);
         assert!(!headers.contains_key(RATELIMIT));
+    }
+
+    /// The problem body states a policy's limit over its exact window, and a bucket's rate
+    /// and burst, for windows and intervals that are not whole seconds (it used to round the
+    /// window up to whole seconds: a bucket of 10 per second and a burst of 2 "allowed 2 per
+    /// 1 s").
+    #[test]
+    fn the_detail_states_windows_and_rates_exactly() {
+        let secs = Duration::from_secs;
+        let ms = Duration::from_millis;
+        let detail = |policy: Policy| {
+            let parts = http::Request::new(()).into_parts().0;
+            let decision = Decision::from_nanos(false, policy.limit(), 0, 0, 1_000_000_000);
+            let rejection = Rejection {
+                kind: RejectionKind::Limited,
+                parts: &parts,
+                status: StatusCode::TOO_MANY_REQUESTS,
+                decision: Some(decision),
+                rule: Some("r"),
+                policy: Some("p"),
+                window: Some((&policy).into()),
+                retry_after: Some(secs(1)),
+                error: None,
+            };
+            let body = problem_response(&rejection).into_body();
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            problem["detail"].as_str().unwrap().to_owned()
+        };
+        let said = |policy| {
+            let d = detail(policy);
+            d[..d.find(';').unwrap()].to_owned()
+        };
+        assert_eq!(
+            said(Policy::token_bucket(Rate::per_second(10), 2).unwrap()),
+            "Policy \"p\" allows 2 per 200 ms (10 per second, in bursts of up to 2)"
+        );
+        assert_eq!(
+            said(Policy::gcra(Rate::per_second(3), 1).unwrap()),
+            "Policy \"p\" allows 1 per 333.333 ms (3 per second, in bursts of up to 1)"
+        );
+        assert_eq!(
+            said(Policy::leaky_bucket(Rate::new(2, secs(5)), 3).unwrap()),
+            "Policy \"p\" allows 3 per 7.5 s (1 per 2.5 s, in bursts of up to 3)"
+        );
+        assert_eq!(
+            said(Policy::gcra(Rate::per_second(1), 3).unwrap()),
+            "Policy \"p\" allows 3 per 3 s (1 per second, in bursts of up to 3)"
+        );
+        assert_eq!(
+            said(Policy::fixed_window(5, ms(1_500)).unwrap()),
+            "Policy \"p\" allows 5 per 1.5 s"
+        );
+        assert_eq!(
+            said(Policy::sliding_window(100, secs(60)).unwrap()),
+            "Policy \"p\" allows 100 per 60 s"
+        );
     }
 }

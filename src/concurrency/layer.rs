@@ -215,6 +215,11 @@ impl ConcurrencyLimitLayerBuilder {
     /// when a place of their key is given back; they are not served in order of arrival (a
     /// newcomer may take a place first), so keep `max_wait` short: it bounds the latency
     /// the queue adds. The wait runs on tokio's timer.
+    ///
+    /// At most as many requests wait for a key as the key has places, whatever refused them
+    /// (their key, or the total cap): one client cannot fill the queue. Both numbers must be
+    /// above zero ([`ConcurrencyError::InvalidQueue`]); a `max_wait` too long to reach
+    /// (`Duration::MAX`) is no deadline.
     pub fn queue(mut self, max_waiting: usize, max_wait: Duration) -> Self {
         self.queue = Some((max_waiting, max_wait));
         self
@@ -287,6 +292,14 @@ impl ConcurrencyLimitLayerBuilder {
         if self.rules.len() > usize::from(u16::MAX) {
             return Err(ConcurrencyError::TooManyRules(self.rules.len()));
         }
+        if let Some((max_waiting, max_wait)) = self.queue {
+            if max_waiting == 0 || max_wait.is_zero() {
+                return Err(ConcurrencyError::InvalidQueue {
+                    max_waiting,
+                    max_wait,
+                });
+            }
+        }
         #[cfg(feature = "redis")]
         if !(super::MIN_LEASE_TIME..=super::MAX_LEASE_TIME).contains(&self.lease_time)
             || self
@@ -345,14 +358,11 @@ impl ConcurrencyLimitLayerBuilder {
                     max,
                     count: AtomicU32::new(0),
                 }),
-                queue: self
-                    .queue
-                    .filter(|&(max, wait)| max > 0 && !wait.is_zero())
-                    .map(|(max, max_wait)| Queue {
-                        max,
-                        max_wait,
-                        waiting: AtomicUsize::new(0),
-                    }),
+                queue: self.queue.map(|(max, max_wait)| Queue {
+                    max,
+                    max_wait,
+                    waiting: AtomicUsize::new(0),
+                }),
                 latency: Latency::default(),
                 #[cfg(feature = "redis")]
                 leases: self.redis.map(|store| {
@@ -405,6 +415,14 @@ pub enum ConcurrencyError {
     /// timeout (a renewal goes every third of it, and may take a timeout).
     #[cfg(feature = "redis")]
     LeaseTime(Duration),
+    /// A [queue](ConcurrencyLimitLayerBuilder::queue) of no places, or with no time to wait
+    /// (as [`ShedError::InvalidQueue`](crate::shed::ShedError::InvalidQueue)).
+    InvalidQueue {
+        /// The most requests waiting given.
+        max_waiting: usize,
+        /// The longest wait given.
+        max_wait: Duration,
+    },
 }
 
 impl fmt::Display for ConcurrencyError {
@@ -438,6 +456,14 @@ impl fmt::Display for ConcurrencyError {
                  store's timeout",
                 super::MIN_LEASE_TIME,
                 super::MAX_LEASE_TIME
+            ),
+            ConcurrencyError::InvalidQueue {
+                max_waiting,
+                max_wait,
+            } => write!(
+                f,
+                "a queue of {max_waiting} places with a longest wait of {max_wait:?}: both \
+                 must be above zero"
             ),
         }
     }
@@ -971,24 +997,22 @@ impl Shared {
     ) -> Option<Permit> {
         let queue = self.queue.as_ref()?;
         let _in_queue = queue.enter()?;
-        // At most as many wait for a key as it has places: one client cannot fill the queue.
-        let _key_queue = match *refusal {
-            Refusal::Busy { rule } => {
-                let place = places.iter().find(|p| p.rule == rule)?;
-                if !self
-                    .in_flight
-                    .enter_queue(place.hash, &place.key, place.max)
-                {
-                    return None;
-                }
-                Some(KeyQueue {
-                    in_flight: &self.in_flight,
-                    hash: place.hash,
-                    key: place.key.clone(),
-                })
+        // At most as many wait for a key as it has places, whatever refused the request (its
+        // key, another rule's, or the total cap): one client cannot fill the queue.
+        let mut _key_queues: SmallVec<[KeyQueue<'_>; 2]> = SmallVec::new();
+        for place in places.iter() {
+            if !self
+                .in_flight
+                .enter_queue(place.hash, &place.key, place.max)
+            {
+                return None;
             }
-            _ => None,
-        };
+            _key_queues.push(KeyQueue {
+                in_flight: &self.in_flight,
+                hash: place.hash,
+                key: place.key.clone(),
+            });
+        }
         let since = self.clock.now();
         let permit = self.wait_for_places(queue, places, refusal).await;
         self.telemetry
@@ -1004,19 +1028,14 @@ impl Shared {
         places: &mut Places,
         refusal: &mut Refusal,
     ) -> Option<Permit> {
-        let deadline = tokio::time::Instant::now() + queue.max_wait;
+        // A wait too long to reach (`Duration::MAX`) is no deadline.
+        let deadline = tokio::time::Instant::now().checked_add(queue.max_wait);
         let on = |places: &Places, refusal: &Refusal| match *refusal {
             Refusal::Busy { rule } => places.iter().find(|p| p.rule == rule).map(|p| p.hash),
             _ => None,
         };
         self.in_flight
-            .wait_for(
-                places,
-                refusal,
-                on,
-                |places| self.take(places),
-                Some(deadline),
-            )
+            .wait_for(places, refusal, on, |places| self.take(places), deadline)
             .await
     }
 

@@ -79,6 +79,8 @@ impl InFlight {
         mut take: impl FnMut(&mut S) -> Result<T, E>,
         deadline: Option<tokio::time::Instant>,
     ) -> Option<T> {
+        // Tries in a row that were refused for another place than the one registered for.
+        let mut flips = 0u32;
         loop {
             self.waiters.fetch_add(1, Ordering::SeqCst);
             let _waiting = Waiting(&self.waiters);
@@ -100,8 +102,16 @@ impl InFlight {
                 if deadline.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
                     return None;
                 }
+                // A refusal that keeps flipping between keys under churn would otherwise turn
+                // here without ever giving the thread back: from the second flip in a row, let
+                // the other tasks run first.
+                flips += 1;
+                if flips > 1 {
+                    YieldNow(false).await;
+                }
                 continue;
             }
+            flips = 0;
             match deadline {
                 Some(deadline) => {
                     if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -223,6 +233,25 @@ impl InFlight {
 /// A request counted among the waiters of an [`InFlight`]; dropping it stops counting it.
 struct Waiting<'a>(&'a AtomicUsize);
 
+/// Returns `Pending` once (asking to be polled again at once), then `Ready`: lets the other
+/// tasks on the thread run.
+struct YieldNow(bool);
+
+impl std::future::Future for YieldNow {
+    type Output = ();
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if std::mem::replace(&mut self.0, true) {
+            return std::task::Poll::Ready(());
+        }
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    }
+}
+
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
@@ -232,6 +261,35 @@ impl Drop for Waiting<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refusal that flips between two keys on every try (others taking and giving back
+    /// places) does not keep the thread: the wait yields after the second flip in a row.
+    /// Before, it turned without yielding for as long as the flips went on.
+    #[test]
+    fn a_refusal_that_keeps_flipping_yields_the_thread() {
+        let t = InFlight::new();
+        let tries = std::cell::Cell::new(0u32);
+        let mut flip = 0u64;
+        let (mut state, mut refusal) = ((), 0u64);
+        let wait = t.wait_for(
+            &mut state,
+            &mut refusal,
+            |_, refusal| Some(*refusal),
+            |_| {
+                tries.set(tries.get() + 1);
+                assert!(tries.get() < 1_000, "turns without yielding");
+                flip ^= 1;
+                Err::<(), u64>(flip)
+            },
+            None,
+        );
+        let mut wait = std::pin::pin!(wait);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(wait.as_mut().poll(&mut cx).is_pending());
+        assert!(tries.get() <= 3, "{} tries", tries.get());
+        assert!(wait.as_mut().poll(&mut cx).is_pending());
+        assert!(tries.get() <= 6, "{} tries", tries.get());
+    }
 
     #[test]
     fn entries_live_while_counts_are_above_zero() {

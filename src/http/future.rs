@@ -568,7 +568,7 @@ impl<St: Store> Shared<St> {
             decision: Some(*decision),
             rule: located.map(|(r, _, _)| r),
             policy: located.map(|(_, p, _)| &**p),
-            window: located.map(|(_, _, p)| p.window()),
+            window: located.map(|(_, _, p)| crate::answer::PolicySpan::from(p)),
             retry_after: decision.retry_after(),
             error: None,
         };

@@ -143,7 +143,7 @@ where
                     let answer = match &result {
                         Ok(r) if r.extensions().get::<Refused>().is_some() => Answer::Refused,
                         Ok(r) => Answer::Served {
-                            failed: matches!(r.status().as_u16(), 503 | 504),
+                            failed: overloaded(r),
                         },
                         Err(_) => Answer::Served { failed: true },
                     };
@@ -165,6 +165,21 @@ where
             };
             self.as_mut().project().state.set(next);
         }
+    }
+}
+
+/// Whether an answer says the service is overloaded: a 503 or a 504, or gRPC's `UNAVAILABLE`
+/// (14) or `DEADLINE_EXCEEDED` (4) in the head of an HTTP 200 (a trailers-only answer, as gRPC
+/// servers send an error before any message). A `grpc-status` in trailers after a body is not
+/// read: the request is timed when its head arrives.
+fn overloaded<B>(response: &Response<B>) -> bool {
+    match response.status().as_u16() {
+        503 | 504 => true,
+        200 => response
+            .headers()
+            .get("grpc-status")
+            .is_some_and(|v| matches!(v.as_bytes(), b"14" | b"4")),
+        _ => false,
     }
 }
 

@@ -90,6 +90,10 @@ impl<St: Store> ShapeLayerBuilder<St> {
     /// without a key; no policies) leave at `rate` per key; at most `queue` units of cost wait
     /// at once, so a request waits at most `queue` intervals of the rate, and one that would
     /// wait longer is refused at once. The first rule that matches a request shapes it.
+    ///
+    /// A request whose cost is above `queue` can never fit: it is refused at once (`429`,
+    /// without `Retry-After`, counted as limited), so that the service never sees more than
+    /// the rate.
     pub fn rule(mut self, rule: Rule, rate: Rate, queue: u64) -> Self {
         self.rules.push((rule, rate, queue));
         self
@@ -263,7 +267,7 @@ pub(crate) enum Plan<F> {
     Pass,
     /// The store reserves its departure.
     Check { check: F, rule: u16 },
-    /// A rule found no key and refuses it.
+    /// A rule found no key, or the request costs more than its queue holds: refused.
     Refuse(Response<Bytes>),
 }
 
@@ -317,7 +321,20 @@ impl<St: Store> Shared<St> {
                     ));
                 }
             };
-            let cost = rule.matcher.cost(parts).min(rule.policy.limit());
+            let cost = rule.matcher.cost(parts);
+            if cost > rule.policy.limit() {
+                // It could never fit in the queue: letting it through at the queue's size
+                // would let more than the rate leave.
+                self.count_refusal(index, 0);
+                return Plan::Refuse(self.answer(
+                    parts,
+                    RejectionKind::Limited,
+                    StatusCode::TOO_MANY_REQUESTS,
+                    index,
+                    None,
+                    None,
+                ));
+            }
             return Plan::Check {
                 check: self.store.check(key.as_str(), &rule.policy, cost),
                 rule: u16::try_from(index).unwrap_or(u16::MAX),
@@ -380,7 +397,7 @@ impl<St: Store> Shared<St> {
                 decision,
                 rule: rule.map(|r| &*r.matcher.name),
                 policy: rule.map(|r| &*r.matcher.name),
-                window: rule.map(|r| r.policy.window()),
+                window: rule.map(|r| (&r.policy).into()),
                 retry_after,
                 error,
             },

@@ -8,6 +8,14 @@
 //! with `k - 1` ahead of it leaves `k / r` after it arrived (the first one interval after
 //! arriving at an empty queue).
 //!
+//! So even a lone request after an idle spell waits one interval (a minute at one per
+//! minute), and a request of cost `c` waits `c` intervals: a departure is the end of the
+//! request's own reservation of the rate. This is the model's choice, kept on purpose (the
+//! departures are exactly `k / r`, on one process or several sharing Redis); letting the
+//! first request of an idle queue leave at once would keep the rate too, but would change
+//! every departure by one interval. At low rates, where one interval is long, put a rate
+//! limit (which admits at once, up to a burst) in front instead of a shaper.
+//!
 //! The queue is kept as GCRA keeps a bucket: one departure time per key, in the layer's
 //! [`Store`](crate::Store). In process, a [`MemoryStore`](crate::MemoryStore); on a
 //! `RedisStore`, each request reserves the next departure slot in one atomic script on Redis's

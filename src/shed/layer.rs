@@ -671,7 +671,7 @@ impl Guard {
             return;
         }
         if let Answer::Served { failed } = answer {
-            let nanos = self.sample(failed);
+            let nanos = self.sample(failed, false);
             let shared = &self.place.shared;
             if shared.queue.as_ref().is_some_and(Queue::has_deadlines) {
                 let _ = shared
@@ -689,7 +689,7 @@ impl Guard {
 
     /// Teaches the controller the request's time in flight so far (returned, in nanoseconds);
     /// if the limit grows, the waiters get the new room there and then.
-    fn sample(&self, failed: bool) -> u64 {
+    fn sample(&self, failed: bool, abandoned: bool) -> u64 {
         let shared = &self.place.shared;
         let now = shared.clock.now();
         let nanos = now.saturating_sub(self.started).max(1);
@@ -700,6 +700,7 @@ impl Guard {
             nanos,
             in_flight: self.in_flight,
             failed,
+            abandoned,
         });
         let after = controller.limit();
         shared.limit.store(after, Ordering::Relaxed);
@@ -728,7 +729,7 @@ impl Drop for Guard {
         // time so far is a sample too, or a service that hangs would teach nothing. The place
         // is given back after this, as the field is dropped.
         if !self.answered {
-            self.sample(false);
+            self.sample(false, true);
         }
     }
 }
@@ -1033,6 +1034,7 @@ mod model_checks {
                             nanos: 1,
                             in_flight: 1,
                             failed: false,
+                            abandoned: false,
                         });
                     }
                 }

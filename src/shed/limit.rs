@@ -19,6 +19,8 @@ pub struct Limit {
     pub(crate) kind: LimitKind,
     pub(crate) min: u32,
     pub(crate) max: u32,
+    /// Whether a window with failures backs off whatever its latency and use.
+    pub(crate) any_failure: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -41,31 +43,42 @@ impl Limit {
             kind: LimitKind::Fixed,
             min: n,
             max: n,
+            any_failure: false,
         }
     }
 
     /// The default adaptive limit, TCP Vegas as Netflix's concurrency-limits uses it: the
-    /// least time in flight seen is the time without queueing, and `limit × (1 − least / now)`
-    /// estimates how many requests wait in a queue; the limit grows while that estimate is
-    /// below `3·log10(limit)` and shrinks when it passes `6·log10(limit)`, so it settles where
-    /// a few requests queue, close to what the service can serve at once. It starts at
+    /// time in flight without queueing is the least window median, and `limit × (1 − least /
+    /// now)` estimates how many requests wait in a queue; the limit grows while that estimate
+    /// is below `3·log10(limit)` and shrinks when it passes `6·log10(limit)`, so it settles
+    /// where a few requests queue, close to what the service can serve at once. It starts at
     /// `initial` and stays within 1 to 1,000 unless bounded otherwise ([`Limit::bounds`]).
     ///
+    /// The time without queueing is guarded against answers faster than the service's own: a
+    /// shorter one is learnt only once three windows in a row with the limit in use read
+    /// shorter (their median is taken), so a burst of 404s from a scanner or of instant errors
+    /// cannot lower it on its own; a request whose client gave up counts only as a lower bound
+    /// of its time (given up sooner than the time without queueing, it teaches nothing); and a
+    /// time so short that the whole limit reads as queued, three windows in a row, is
+    /// forgotten. A longer one is learnt at a probe, every `300 × limit` samples.
+    ///
     /// Why the default: it needs no latency target from you, it follows a service that gets
-    /// faster or slower (the least time is forgotten now and then, so a lasting change is
-    /// learned), and under load it converges near the true capacity rather than oscillating
-    /// around a threshold as AIMD does.
+    /// faster or slower, and under load it converges near the true capacity rather than
+    /// oscillating around a threshold as AIMD does.
     pub fn vegas(initial: u32) -> Self {
         Limit {
             kind: LimitKind::Vegas { initial },
             min: 1,
             max: 1_000,
+            any_failure: false,
         }
     }
 
     /// Additive increase, multiplicative decrease against a latency target: a window of
     /// requests (ten or more, over twice `latency`) whose median is slower than `latency`, or
-    /// in which one failed, multiplies the limit by 0.9; a faster one in which the limit was in
+    /// in which one in twenty failed with 70 % of the limit in flight (see
+    /// [`back_off_on_any_failure`](Limit::back_off_on_any_failure)), multiplies the limit by
+    /// 0.9; a faster one in which the limit was in
     /// use adds one. Simple and predictable when you know the latency your service should
     /// keep. Starts at `initial`, within 1 to 1,000 unless bounded otherwise.
     pub fn aimd(initial: u32, latency: Duration) -> Self {
@@ -77,6 +90,7 @@ impl Limit {
             },
             min: 1,
             max: 1_000,
+            any_failure: false,
         }
     }
 
@@ -90,6 +104,18 @@ impl Limit {
         self
     }
 
+    /// Backs off on every window in which one request in twenty failed (an error, a 503 or a
+    /// 504, gRPC `UNAVAILABLE` or `DEADLINE_EXCEEDED`), whatever its latency and however much
+    /// of the limit is in use. By default failures count as overload only in a window that is
+    /// also slow (Vegas: a long queue; AIMD: slower than its target) or in which the requests
+    /// in flight reached 70 % of the limit: a route whose dependency is down answers 503 at
+    /// once while the service has room, and would otherwise pull the limit to its floor. Ask
+    /// for this when your service sheds its own load with fast 503s.
+    pub fn back_off_on_any_failure(mut self) -> Self {
+        self.any_failure = true;
+        self
+    }
+
     pub(crate) fn controller(&self) -> Controller {
         let clamp = |n: u32| f64::from(n.clamp(self.min, self.max));
         match &self.kind {
@@ -100,7 +126,11 @@ impl Limit {
                     min: f64::from(self.min),
                     max: f64::from(self.max),
                     least: 0,
+                    faster: [0; VEGAS_CONFIRM],
+                    confirmed: 0,
+                    implausible: 0,
                     samples_since_probe: 0,
+                    any_failure: self.any_failure,
                 },
                 Window::default(),
             ),
@@ -115,6 +145,7 @@ impl Limit {
                     max: f64::from(self.max),
                     target: u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX),
                     backoff: *backoff,
+                    any_failure: self.any_failure,
                 },
                 Window::default(),
             ),
@@ -133,6 +164,9 @@ pub(crate) struct Sample {
     pub(crate) in_flight: u32,
     /// Whether it failed as an overloaded service fails: an error, a 503 or a 504.
     pub(crate) failed: bool,
+    /// Whether its client gave up before the answer: its time is only a lower bound of the
+    /// time the service would have taken.
+    pub(crate) abandoned: bool,
 }
 
 /// A limit and its state.
@@ -160,8 +194,13 @@ const WINDOW_KEPT: usize = 64;
 const WINDOW_SAMPLES: u32 = 10;
 
 impl Window {
-    /// Adds a sample; the window's summary once it has enough (then it starts anew).
-    fn add(&mut self, s: Sample, round_trip: u64) -> Option<Summary> {
+    /// Adds a sample; the window's summary once it has enough (then it starts anew). A request
+    /// abandoned sooner than `floor` (the time without a queue; 0 if none is known) is left
+    /// out: its time says only that the service takes at least that long, which is known.
+    fn add(&mut self, s: Sample, round_trip: u64, floor: u64) -> Option<Summary> {
+        if s.abandoned && (floor == 0 || s.nanos < floor) {
+            return None;
+        }
         if self.count == 0 {
             self.start = s.at.saturating_sub(s.nanos);
         }
@@ -186,6 +225,13 @@ impl Window {
         *self = Window::default();
         Some(summary)
     }
+}
+
+/// Whether the requests in flight reached 70 % of `limit` in the window (where the least
+/// important class is shed by default): only then do its failures say the limit is too high
+/// (below, a route that fails fast fails alike at any limit).
+fn full(w: &Summary, limit: f64) -> bool {
+    f64::from(w.in_flight) >= (0.7 * limit).floor().max(1.0)
 }
 
 /// What a window saw.
@@ -215,12 +261,12 @@ impl Controller {
             Controller::Fixed(_) => {}
             Controller::Vegas(v, window) => {
                 let round_trip = if v.least == 0 { sample.nanos } else { v.least };
-                if let Some(summary) = window.add(sample, round_trip) {
+                if let Some(summary) = window.add(sample, round_trip, v.least) {
                     v.update(summary);
                 }
             }
             Controller::Aimd(a, window) => {
-                if let Some(summary) = window.add(sample, a.target) {
+                if let Some(summary) = window.add(sample, a.target, a.target) {
                     a.update(summary);
                 }
             }
@@ -234,55 +280,107 @@ impl fmt::Debug for Controller {
     }
 }
 
-/// After `limit` times this many samples, Vegas takes the least time in flight of the last
-/// window as its new least, so that a service that lastingly got slower is not read as one
-/// with a queue for ever (about a minute at 100 in flight and 500 requests per second).
-/// Netflix's concurrency-limits probes ten times as often; measured here, that let a standing
-/// queue in which every request waits alike become the new "no queue" and ratchet the limit
-/// up (a simulated service settled at 138 % of its capacity instead of 113 %).
+/// After `limit` times this many samples, Vegas takes the median of the last window as its
+/// time without a queue if it is slower, so that a service that lastingly got slower is not
+/// read as one with a queue for ever (about a minute at 100 in flight and 500 requests per
+/// second). Netflix's concurrency-limits probes ten times as often; measured here, that let a
+/// standing queue in which every request waits alike become the new "no queue" and ratchet
+/// the limit up (a simulated service settled at 138 % of its capacity instead of 113 %).
 const VEGAS_PROBE_EVERY: f64 = 300.0;
+
+/// How many windows in a row, each with the limit in use, must read faster than the time
+/// without a queue before Vegas takes their median as the new one. A burst of fast answers (a
+/// scanner's 404s, a cache warming up) fills a window or two, and mostly while the limit is
+/// not in use; a service that got faster reads faster window after window, under load.
+const VEGAS_CONFIRM: usize = 3;
+
+/// How many windows in a row, each with the limit in use, may estimate the whole limit queued
+/// (not one request being served: the time without a queue is too short to be true) before
+/// Vegas forgets that time and takes the window's median instead.
+const VEGAS_IMPLAUSIBLE: u32 = 3;
 
 pub(crate) struct Vegas {
     limit: f64,
     min: f64,
     max: f64,
-    /// The least window median seen (0: none yet): the time in flight without a queue.
+    /// The time in flight without a queue (0: none yet): the least window median that held.
     least: u64,
+    /// The medians of the windows in a row that read faster than `least` with the limit in
+    /// use (the first `confirmed`).
+    faster: [u64; VEGAS_CONFIRM],
+    confirmed: usize,
+    /// How many windows in a row estimated the whole limit queued.
+    implausible: u32,
     samples_since_probe: u64,
+    any_failure: bool,
 }
 
 impl Vegas {
     fn update(&mut self, w: Summary) {
-        // The time without a queue is the least window median: a few fast answers (a cached
-        // page, a 404) cannot pass for it, as they could as the least single sample.
         self.samples_since_probe += u64::from(w.count);
-        if self.least == 0 || w.typical < self.least {
+        let in_use = f64::from(w.in_flight) * 2.0 >= self.limit;
+        if self.least == 0 {
             self.least = w.typical;
             return;
         }
+        // The time without a queue is a window median, never a single sample, and it gets
+        // shorter only once several windows in a row under load read shorter: a burst of fast
+        // answers (404s from a scanner) or of requests abandoned early cannot lower it on its
+        // own, and one that did would read every ordinary window as a full queue and pull the
+        // limit down window after window.
+        if w.typical < self.least {
+            if in_use {
+                self.faster[self.confirmed] = w.typical;
+                self.confirmed += 1;
+                if self.confirmed == VEGAS_CONFIRM {
+                    self.faster.sort_unstable();
+                    self.least = self.faster[VEGAS_CONFIRM / 2];
+                    self.confirmed = 0;
+                }
+            }
+            return;
+        }
+        self.confirmed = 0;
         if self.samples_since_probe as f64 >= VEGAS_PROBE_EVERY * self.limit {
+            // The probe only ever learns a slower service: a faster one is learnt above.
             self.samples_since_probe = 0;
             self.least = w.typical;
+            self.implausible = 0;
             return;
         }
         let nanos = w.typical;
         let log = self.limit.log10().max(1.0);
-        let next = if w.failed {
-            self.limit - log
-        } else if f64::from(w.in_flight) * 2.0 < self.limit {
-            // The limit is not in use: nothing to learn about it.
-            return;
-        } else {
-            let queue = (self.limit * (1.0 - self.least as f64 / nanos as f64)).ceil();
-            if queue <= log {
-                self.limit + 6.0 * log
-            } else if queue < 3.0 * log {
-                self.limit + log
-            } else if queue > 6.0 * log {
-                self.limit - log
-            } else {
+        let queue = (self.limit * (1.0 - self.least as f64 / nanos as f64)).ceil();
+        if in_use && queue >= self.limit.floor() {
+            // The whole limit queued, not one request served: the time without a queue is too
+            // short to be true (learnt from answers much faster than the service's own). Forget
+            // it once the estimate stays so.
+            self.implausible += 1;
+            if self.implausible >= VEGAS_IMPLAUSIBLE {
+                self.implausible = 0;
+                self.least = w.typical;
                 return;
             }
+        } else {
+            self.implausible = 0;
+        }
+        // Failures are overload when the window is also slow or the limit full (or always, if
+        // asked): a route whose dependency is down fails fast while the service has room.
+        let overloaded =
+            w.failed && (self.any_failure || full(&w, self.limit) || queue > 6.0 * log);
+        let next = if overloaded {
+            self.limit - log
+        } else if !in_use {
+            // The limit is not in use: nothing to learn about it.
+            return;
+        } else if queue <= log {
+            self.limit + 6.0 * log
+        } else if queue < 3.0 * log {
+            self.limit + log
+        } else if queue > 6.0 * log {
+            self.limit - log
+        } else {
+            return;
         };
         self.limit = next.clamp(self.min, self.max);
     }
@@ -294,13 +392,16 @@ pub(crate) struct Aimd {
     max: f64,
     target: u64,
     backoff: f64,
+    any_failure: bool,
 }
 
 impl Aimd {
     fn update(&mut self, w: Summary) {
-        let next = if w.failed || w.typical > self.target {
+        let in_use = f64::from(w.in_flight) * 2.0 >= self.limit;
+        let failed = w.failed && (self.any_failure || full(&w, self.limit));
+        let next = if failed || w.typical > self.target {
             self.limit * self.backoff
-        } else if f64::from(w.in_flight) * 2.0 >= self.limit {
+        } else if in_use {
             self.limit + 1.0
         } else {
             return;
@@ -322,6 +423,7 @@ mod tests {
                 nanos: ms * 1_000_000,
                 in_flight,
                 failed,
+                abandoned: false,
             });
         }
     }
@@ -338,8 +440,8 @@ mod tests {
                 feed(&mut c, &mut at, 1, 1 + (i % 7) * 50, 1_000, i % 11 == 0);
                 assert!((5..=50).contains(&c.limit()), "{limit:?}: {}", c.limit());
             }
-            // Failures only: down to the floor, never zero.
-            feed(&mut c, &mut at, 10_000, 1, 1, true);
+            // Failures only, with the limit in use: down to the floor, never zero.
+            feed(&mut c, &mut at, 10_000, 1, 1_000, true);
             assert_eq!(c.limit(), 5, "{limit:?}");
         }
         assert_eq!(Limit::vegas(10).bounds(0, 0).controller().limit(), 1);
@@ -360,8 +462,9 @@ mod tests {
                 nanos: t * ms,
                 in_flight: 1,
                 failed: false,
+                abandoned: false,
             };
-            let summary = w.add(sample, ms);
+            let summary = w.add(sample, ms, 0);
             if i < 9 {
                 assert!(summary.is_none(), "closed after {} samples", i + 1);
             } else {
@@ -378,8 +481,9 @@ mod tests {
                 nanos: 100 * ms,
                 in_flight: 1,
                 failed: false,
+                abandoned: false,
             };
-            assert!(w.add(sample, 100 * ms).is_none());
+            assert!(w.add(sample, 100 * ms, 0).is_none());
         }
     }
 
@@ -396,6 +500,11 @@ mod tests {
         for _ in 0..50 {
             feed(&mut c, &mut at, 19, 50, 10, false);
             feed(&mut c, &mut at, 1, 50, 10, true);
+        }
+        assert_eq!(c.limit(), 100, "one in twenty, the limit not full nor slow");
+        for _ in 0..50 {
+            feed(&mut c, &mut at, 19, 50, 95, false);
+            feed(&mut c, &mut at, 1, 50, 95, true);
         }
         assert!(c.limit() < 100, "one in twenty: {}", c.limit());
     }
@@ -457,5 +566,129 @@ mod tests {
         let mut c = Limit::vegas(20).controller();
         feed(&mut c, &mut at, 1_000, 100, 9, false);
         assert_eq!(c.limit(), 20, "under half: unchanged");
+    }
+
+    /// Feeds one sample as [`feed`] does, given up by its client.
+    fn abandon(c: &mut Controller, at: &mut u64, n: u32, ms: u64, in_flight: u32) {
+        for _ in 0..n {
+            *at += 1_000_000;
+            c.sample(Sample {
+                at: *at,
+                nanos: ms * 1_000_000,
+                in_flight,
+                failed: false,
+                abandoned: true,
+            });
+        }
+    }
+
+    fn least(c: &Controller) -> u64 {
+        match c {
+            Controller::Vegas(v, _) => v.least / 1_000_000,
+            _ => unreachable!(),
+        }
+    }
+
+    /// Feeds samples of `ms` until a window closes.
+    fn window(c: &mut Controller, at: &mut u64, ms: u64, in_flight: u32) {
+        let seen = |c: &Controller| match c {
+            Controller::Vegas(v, _) => v.samples_since_probe,
+            _ => unreachable!(),
+        };
+        let before = seen(c);
+        while seen(c) == before {
+            feed(c, at, 1, ms, in_flight, false);
+        }
+    }
+
+    /// A faster time without a queue is learnt only from windows in a row, under load, that
+    /// read faster; a window or two of fast answers, with or without load, is not enough.
+    #[test]
+    fn vegas_learns_a_faster_service_only_under_load_and_in_a_row() {
+        let mut c = Limit::vegas(100).controller();
+        let mut at = 0;
+        window(&mut c, &mut at, 100, 60);
+        assert_eq!(least(&c), 100);
+        // Fast windows with the limit not in use (a scanner's 404s): nothing learnt.
+        for _ in 0..10 {
+            window(&mut c, &mut at, 1, 10);
+        }
+        assert_eq!(least(&c), 100);
+        // Two fast windows under load, then an ordinary one: the candidate goes.
+        window(&mut c, &mut at, 1, 100);
+        window(&mut c, &mut at, 1, 100);
+        window(&mut c, &mut at, 100, 100);
+        assert_eq!(least(&c), 100);
+        // Lastingly faster under load: learnt, as the slowest of the fast windows.
+        window(&mut c, &mut at, 50, 100);
+        window(&mut c, &mut at, 40, 100);
+        assert_eq!(least(&c), 100);
+        window(&mut c, &mut at, 50, 100);
+        assert_eq!(least(&c), 50);
+        // The probe never lowers it.
+        let mut c = Limit::vegas(1).bounds(1, 1).controller();
+        window(&mut c, &mut at, 100, 1);
+        feed(&mut c, &mut at, 1_000, 100, 1, false);
+        feed(&mut c, &mut at, 1_000, 10, 0, false);
+        assert_eq!(least(&c), 100);
+    }
+
+    /// A request given up sooner than the time without a queue teaches nothing; one given up
+    /// later is at least that slow, and counts.
+    #[test]
+    fn vegas_reads_an_abandoned_time_as_a_lower_bound() {
+        let mut c = Limit::vegas(100).controller();
+        let mut at = 0;
+        feed(&mut c, &mut at, 205, 100, 60, false);
+        let before = c.limit();
+        abandon(&mut c, &mut at, 5_000, 1, 100);
+        assert_eq!((least(&c), c.limit()), (100, before));
+        // Given up after 400 ms with the limit in use: a queue; the limit shrinks.
+        abandon(&mut c, &mut at, 1_000, 400, 100);
+        assert!(c.limit() < before, "{}", c.limit());
+        assert_eq!(least(&c), 100);
+    }
+
+    /// A time without a queue that was learnt wrong (far too short: every window then reads the
+    /// whole limit as queued, not one request being served) is forgotten after a few windows.
+    #[test]
+    fn vegas_forgets_an_impossible_time_without_a_queue() {
+        let mut c = Limit::vegas(100).controller();
+        let mut at = 0;
+        // The very first window is a scanner's: 1 ms.
+        feed(&mut c, &mut at, 30, 1, 60, false);
+        assert_eq!(least(&c), 1);
+        // Then 500 ms with the limit (now 124) in use: "124 queued" of 124. (While the limit is
+        // not in use, the wrong time does no harm: the limit does not move.)
+        for _ in 0..3 {
+            window(&mut c, &mut at, 500, 100);
+        }
+        assert_eq!(least(&c), 500);
+        assert!(c.limit() >= 115, "{}", c.limit());
+    }
+
+    /// Failures back off only with the limit in use or a slow window, unless asked always.
+    #[test]
+    fn failures_are_overload_only_under_load_unless_asked() {
+        for limit in [
+            Limit::vegas(100),
+            Limit::aimd(100, Duration::from_millis(100)),
+        ] {
+            let mut c = limit.clone().controller();
+            let mut at = 0;
+            // A route that fails at once, one request in ten, at 20 in flight of 100.
+            for _ in 0..500 {
+                feed(&mut c, &mut at, 9, 50, 20, false);
+                feed(&mut c, &mut at, 1, 1, 20, true);
+            }
+            assert!(c.limit() >= 100, "{limit:?}: {}", c.limit());
+            let mut c = limit.back_off_on_any_failure().controller();
+            let mut at = 0;
+            for _ in 0..500 {
+                feed(&mut c, &mut at, 9, 50, 20, false);
+                feed(&mut c, &mut at, 1, 1, 20, true);
+            }
+            assert!(c.limit() < 50, "{}", c.limit());
+        }
     }
 }

@@ -10,7 +10,11 @@
 //! - **Capacity**: a number of requests in flight, fixed ([`Limit::fixed`]) or adaptive,
 //!   following the latency the service shows ([`Limit::vegas`], the default choice, or
 //!   [`Limit::aimd`]), always within bounds so it can neither collapse to zero nor grow
-//!   without limit. A request holds its place until its response body ends.
+//!   without limit. A request holds its place until its response body ends. Fast answers
+//!   that are not the service's own (a scanner's 404s behind the shedder, requests given up
+//!   early) cannot lower Vegas's time without queueing on their own, and failures (an error,
+//!   503, 504, gRPC `UNAVAILABLE` or `DEADLINE_EXCEEDED`) lower a limit only in a window that
+//!   is slow or near the limit ([`Limit::back_off_on_any_failure`] to count them always).
 //! - **An operator's signal** ([`LoadShedLayerBuilder::utilization`]): a closure that says how
 //!   busy the service is from 0 to 1 (a worker pool, tokio's runtime metrics), for a shedder
 //!   like Stripe's worker-utilization shedder.
