@@ -50,6 +50,9 @@ mod breaker;
 pub mod client;
 pub mod clock;
 pub mod concurrency;
+#[cfg(feature = "envoy")]
+#[cfg_attr(docsrs, doc(cfg(feature = "envoy")))]
+pub mod envoy;
 #[cfg(feature = "serde")]
 #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
 pub mod config;

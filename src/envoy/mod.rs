@@ -1,0 +1,2 @@
+//! Envoy's rate limit service.
+pub mod proto;
