@@ -555,6 +555,36 @@ async fn bad_input_is_a_clear_status_and_counts_nothing() {
     );
 }
 
+#[tokio::test]
+async fn a_reload_keeps_the_counts_of_unchanged_limits() {
+    let (store, _) = counting();
+    let service = RateLimitService::new(store, config(MESSAGING));
+    let mut c = serve(service.clone()).await;
+    let kept = req("messaging", vec![d(&[("per_day", "r")])]);
+    let changed = req("messaging", vec![d(&[("per_day_big", "r")])]);
+    assert_eq!(codes(&mut c, &kept, 2).await, [OK, OVER]);
+    assert_eq!(
+        call(&mut c, changed.clone()).await.statuses[0].limit_remaining,
+        9
+    );
+    let reloaded = MESSAGING.replace(
+        "key: per_day_big\n    rate_limit: { unit: day, requests_per_unit: 10 }",
+        "key: per_day_big\n    rate_limit: { unit: day, requests_per_unit: 20 }",
+    );
+    assert_ne!(reloaded, MESSAGING);
+    service.set_config(config(&reloaded));
+    assert_eq!(
+        codes(&mut c, &kept, 1).await,
+        [OVER],
+        "unchanged: still spent"
+    );
+    let fresh = call(&mut c, changed).await;
+    assert_eq!(
+        fresh.statuses[0].limit_remaining, 19,
+        "changed: a new counter"
+    );
+}
+
 /// A store whose backend is always down.
 #[derive(Clone)]
 struct Down;

@@ -35,11 +35,18 @@ const MAX_PLAIN_KEY_LEN: usize = 256;
 /// configuration.
 pub struct RateLimitService<S> {
     inner: Arc<Inner<S>>,
+    options: Options,
 }
 
+/// What the clones of a service share: the store and the configuration.
 struct Inner<S> {
     store: S,
     config: ArcSwap<Config>,
+}
+
+/// What each clone carries.
+#[derive(Clone, Copy, Debug)]
+struct Options {
     headers: HeaderProfile,
     max_descriptors: usize,
     max_entry_len: usize,
@@ -49,6 +56,7 @@ impl<S> Clone for RateLimitService<S> {
     fn clone(&self) -> Self {
         Self {
             inner: Arc::clone(&self.inner),
+            options: self.options,
         }
     }
 }
@@ -57,9 +65,7 @@ impl<S> std::fmt::Debug for RateLimitService<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RateLimitService")
             .field("domains", &self.inner.config.load().domains().count())
-            .field("headers", &self.inner.headers)
-            .field("max_descriptors", &self.inner.max_descriptors)
-            .field("max_entry_len", &self.inner.max_entry_len)
+            .field("options", &self.options)
             .finish_non_exhaustive()
     }
 }
@@ -71,23 +77,12 @@ impl<S: Store> RateLimitService<S> {
             inner: Arc::new(Inner {
                 store,
                 config: ArcSwap::from_pointee(config),
+            }),
+            options: Options {
                 headers: HeaderProfile::Off,
                 max_descriptors: DEFAULT_MAX_DESCRIPTORS,
                 max_entry_len: DEFAULT_MAX_ENTRY_LEN,
-            }),
-        }
-    }
-
-    fn with(self, f: impl FnOnce(&mut Inner<S>)) -> Self {
-        match Arc::try_unwrap(self.inner) {
-            Ok(mut inner) => {
-                f(&mut inner);
-                Self {
-                    inner: Arc::new(inner),
-                }
-            }
-            // Already cloned: the setting is for a service still being built.
-            Err(inner) => Self { inner },
+            },
         }
     }
 
@@ -95,26 +90,30 @@ impl<S: Store> RateLimitService<S> {
     /// for the descriptor that runs out first: [`HeaderProfile::Ietf`] for `RateLimit` and
     /// `RateLimit-Policy`, [`HeaderProfile::Legacy`] for the `X-RateLimit-Limit`,
     /// `-Remaining` and `-Reset` trio envoyproxy/ratelimit sends, `Both`, or `Off` (the
-    /// default). Set it before cloning the service.
-    pub fn headers(self, profile: HeaderProfile) -> Self {
-        self.with(|i| i.headers = profile)
+    /// default).
+    pub fn headers(mut self, profile: HeaderProfile) -> Self {
+        self.options.headers = profile;
+        self
     }
 
     /// The most descriptors one call may carry (default [`DEFAULT_MAX_DESCRIPTORS`]); more is
-    /// `INVALID_ARGUMENT`. Set it before cloning the service.
-    pub fn max_descriptors(self, max: usize) -> Self {
-        self.with(|i| i.max_descriptors = max)
+    /// `INVALID_ARGUMENT`.
+    pub fn max_descriptors(mut self, max: usize) -> Self {
+        self.options.max_descriptors = max;
+        self
     }
 
     /// The longest entry key or value, in bytes (default [`DEFAULT_MAX_ENTRY_LEN`]); longer is
-    /// `INVALID_ARGUMENT`. Set it before cloning the service.
-    pub fn max_entry_len(self, max: usize) -> Self {
-        self.with(|i| i.max_entry_len = max)
+    /// `INVALID_ARGUMENT`.
+    pub fn max_entry_len(mut self, max: usize) -> Self {
+        self.options.max_entry_len = max;
+        self
     }
 
-    /// Replaces the configuration for the calls that start from now on. Counters live in the
-    /// store under the descriptor's entries and the limit's parameters, so a limit that the
-    /// new configuration keeps unchanged keeps its counts.
+    /// Replaces the configuration, for every clone of this service, for the calls that start
+    /// from now on (hot reload). Counters live in the store under the descriptor's entries and
+    /// the limit's parameters, so a limit that the new configuration keeps unchanged keeps its
+    /// counts, and a changed one starts afresh.
     pub fn set_config(&self, config: Config) {
         self.inner.config.store(Arc::new(config));
     }
@@ -132,7 +131,8 @@ impl<S: Store> RateLimitService<S> {
     /// counted for a call that ends in an error or in `OVER_LIMIT`.
     pub async fn decide(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
         let inner = &*self.inner;
-        validate(request, inner.max_descriptors, inner.max_entry_len)?;
+        let options = self.options;
+        validate(request, options.max_descriptors, options.max_entry_len)?;
         let config = inner.config.load();
         let known = config.has_domain(&request.domain);
 
@@ -165,6 +165,8 @@ impl<S: Store> RateLimitService<S> {
                 .unwrap_or_default();
             slots.push(Slot { limit, cost, key });
         }
+        // The slots hold what they need: no configuration is held across the store's calls.
+        drop(config);
 
         // `replaces`: a named limit gives way to another limit of the same call naming it.
         let replaced: HashSet<Arc<str>> = slots
@@ -252,7 +254,7 @@ impl<S: Store> RateLimitService<S> {
         if let Some((at, decision)) = binding {
             if let Some(limit) = slots[at].limit.as_deref() {
                 response.response_headers_to_add =
-                    headers(inner.headers, limit, slots[at].counted(false), &decision);
+                    headers(options.headers, limit, slots[at].counted(false), &decision);
             }
         }
         Ok(response)
