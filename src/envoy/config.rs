@@ -217,7 +217,12 @@ impl Config {
             } else {
                 format!("{name}: ")
             };
-            let value: Value = match serde_norway::from_str(text) {
+            // Merge keys (`<<: *anchor`) are applied, as envoyproxy/ratelimit's YAML reader does.
+            let value = serde_norway::from_str::<Value>(text).and_then(|mut v| {
+                v.apply_merge()?;
+                Ok(v)
+            });
+            let value = match value {
                 Ok(v) => v,
                 Err(e) => {
                     problems.push(format!("{prefix}(file)"), format!("not YAML: {e}"));
@@ -1024,6 +1029,26 @@ descriptors:
         let got: Vec<_> = err.problems().iter().map(|p| p.path().to_owned()).collect();
         assert_eq!(got, ["b.yaml: domain", "c.yaml: (file)"]);
         assert_eq!(err.problems()[0].message(), "duplicate domain 'd'");
+    }
+
+    #[test]
+    fn anchors_and_merge_keys_are_read_as_yaml_means_them() {
+        let c = Config::from_yaml(
+            "
+domain: d
+descriptors:
+  - key: a
+    rate_limit: &common { unit: minute, requests_per_unit: 4 }
+  - key: b
+    rate_limit:
+      <<: *common
+      requests_per_unit: 9
+",
+        )
+        .unwrap();
+        assert_eq!(rpu(limit(&c, "d", &[("a", "x")])), Some(4));
+        let b = limit(&c, "d", &[("b", "x")]).unwrap();
+        assert_eq!((b.requests_per_unit, b.unit), (9, Some(Unit::Minute)));
     }
 
     #[test]
