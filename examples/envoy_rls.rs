@@ -148,7 +148,9 @@ async fn run<S: Store>(store: S, args: Args) -> Result<(), Box<dyn Error>> {
     reload_on_hangup(service.clone(), args.config.clone());
     let listener = TcpListener::bind(args.listen).await?;
     eprintln!("Envoy rate limit service on {}", listener.local_addr()?);
-    serve(service, listener, stop_signal()).await.map_err(|e| e as Box<dyn Error>)
+    serve(service, listener, stop_signal())
+        .await
+        .map_err(|e| e as Box<dyn Error>)
 }
 
 #[tokio::main]
