@@ -14,6 +14,8 @@
 //!   refusing early when the service has no capacity left, least important first; [`shape`]:
 //!   [`ShapeLayer`], the leaky bucket as a queue, delaying requests to a constant rate.
 //! - [`algorithm`]: the pure state machines; [`clock`]: time.
+//! - `envoy` (feature `envoy`): tollgate as Envoy's rate limit service (`ShouldRateLimit` on
+//!   any store, envoyproxy/ratelimit's YAML files).
 //! - [`telemetry`]: tracing spans and events (feature `tracing`), and `metrics` (feature
 //!   `metrics`): every metric the layers and stores record, in one table.
 //!
@@ -54,6 +56,9 @@ pub mod concurrency;
 #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
 pub mod config;
 mod decision;
+#[cfg(feature = "envoy")]
+#[cfg_attr(docsrs, doc(cfg(feature = "envoy")))]
+pub mod envoy;
 pub mod http;
 mod inflight;
 pub mod key;

@@ -1,0 +1,1066 @@
+//! envoyproxy/ratelimit's YAML configuration files, read as they are, with tollgate's two
+//! additions (`algorithm` and `burst` in a `rate_limit` map), and the tree a request's
+//! descriptors are matched against.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_norway::Value;
+
+use crate::{Policy, Rate};
+
+/// The most problems one [`ConfigError`] lists; past it, the count of the others.
+const MAX_PROBLEMS: usize = 100;
+
+/// The keys envoyproxy/ratelimit knows, and tollgate's two (`algorithm`, `burst`).
+const KNOWN_KEYS: &[&str] = &[
+    "domain",
+    "key",
+    "value",
+    "descriptors",
+    "rate_limit",
+    "unit",
+    "requests_per_unit",
+    "unlimited",
+    "shadow_mode",
+    "quota_mode",
+    "name",
+    "replaces",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "metadata",
+    "algorithm",
+    "burst",
+];
+
+/// The unit of a limit, as envoyproxy/ratelimit counts it (a month is 30 days, a year 365).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Unit {
+    /// A second.
+    Second,
+    /// A minute.
+    Minute,
+    /// An hour.
+    Hour,
+    /// A day.
+    Day,
+    /// Seven days.
+    Week,
+    /// 30 days.
+    Month,
+    /// 365 days.
+    Year,
+}
+
+impl Unit {
+    /// The unit named `name` (any case), as the YAML files spell it.
+    pub fn parse(name: &str) -> Option<Unit> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "second" => Unit::Second,
+            "minute" => Unit::Minute,
+            "hour" => Unit::Hour,
+            "day" => Unit::Day,
+            "week" => Unit::Week,
+            "month" => Unit::Month,
+            "year" => Unit::Year,
+            _ => return None,
+        })
+    }
+
+    /// Its length.
+    pub const fn duration(self) -> Duration {
+        Duration::from_secs(match self {
+            Unit::Second => 1,
+            Unit::Minute => 60,
+            Unit::Hour => 3600,
+            Unit::Day => 86_400,
+            Unit::Week => 7 * 86_400,
+            Unit::Month => 30 * 86_400,
+            Unit::Year => 365 * 86_400,
+        })
+    }
+}
+
+/// What a matched limit does.
+#[derive(Clone, Debug)]
+pub(crate) enum LimitKind {
+    /// `unlimited: true`: always OK, never counted.
+    Unlimited,
+    /// `requests_per_unit: 0`: always over the limit, never counted.
+    DenyAll,
+    /// Counted under this policy.
+    Counted(Policy),
+}
+
+/// One configured (or overriding) limit.
+#[derive(Clone, Debug)]
+pub(crate) struct Limit {
+    pub(crate) kind: LimitKind,
+    pub(crate) requests_per_unit: u32,
+    pub(crate) unit: Option<Unit>,
+    pub(crate) name: Option<Arc<str>>,
+    pub(crate) replaces: Box<[Arc<str>]>,
+    pub(crate) shadow_mode: bool,
+}
+
+impl Limit {
+    /// A limit Envoy sends in the descriptor: a fixed window, never in shadow mode (as
+    /// envoyproxy/ratelimit treats it).
+    pub(crate) fn from_override(requests_per_unit: u32, unit: Unit) -> Self {
+        let kind = match Policy::fixed_window(u64::from(requests_per_unit), unit.duration()) {
+            Ok(policy) => LimitKind::Counted(policy),
+            Err(_) => LimitKind::DenyAll,
+        };
+        Limit {
+            kind,
+            requests_per_unit,
+            unit: Some(unit),
+            name: None,
+            replaces: Box::new([]),
+            shadow_mode: false,
+        }
+    }
+}
+
+/// The children of a node that share one key.
+#[derive(Debug, Default)]
+struct Children {
+    /// `key` + `value`: an exact value.
+    by_value: HashMap<String, Node>,
+    /// `key` + a value with `*`: the pattern split on `*`, in the file's order.
+    wildcards: Vec<(Box<[String]>, Node)>,
+    /// `key` alone: any value.
+    any: Option<Box<Node>>,
+}
+
+/// One configured descriptor: its limit and the descriptors nested in it.
+#[derive(Debug, Default)]
+struct Node {
+    limit: Option<Arc<Limit>>,
+    /// `share_threshold: true` on a wildcard: the pattern that all its values count under.
+    shared_as: Option<Arc<str>>,
+    children: HashMap<String, Children>,
+}
+
+impl Node {
+    fn has_children(&self) -> bool {
+        !self.children.is_empty()
+    }
+}
+
+/// A limit matched by a request's descriptor, and the value each entry counts under.
+#[derive(Debug)]
+pub(crate) struct Matched<'a> {
+    pub(crate) limit: &'a Arc<Limit>,
+    /// Per entry: the wildcard pattern to count under instead of the value (share_threshold).
+    pub(crate) shared: Vec<Option<&'a str>>,
+}
+
+/// Rate limit configuration in envoyproxy/ratelimit's format: one or more YAML files, each a
+/// `domain` and its tree of `descriptors`.
+///
+/// Everything envoyproxy/ratelimit documents is read: `key`, `value` (exact, or with `*`
+/// wildcards), nested `descriptors`, `rate_limit` with `unit` (second, minute, hour, day, week,
+/// month, year; any case), `requests_per_unit`, `unlimited`, `name` and `replaces`, and
+/// `shadow_mode`, `share_threshold`. `detailed_metric`, `value_to_metric` and `metadata` are
+/// accepted and change nothing (they shape envoyproxy/ratelimit's statistics). `quota_mode:
+/// true` is refused: tollgate does not implement quota mode. tollgate adds two keys to
+/// `rate_limit`: `algorithm` (`fixed_window`, the default and envoyproxy/ratelimit's only one;
+/// `sliding_window`, `sliding_log`, `token_bucket`, `leaky_bucket`, `gcra`), with the rate
+/// `requests_per_unit` per `unit`, and `burst` for the three buckets (default:
+/// `requests_per_unit`).
+///
+/// ```
+/// use tollgate::envoy::Config;
+///
+/// let config = Config::from_yaml(
+///     "domain: messaging
+/// descriptors:
+///   - key: to_number
+///     rate_limit: { unit: day, requests_per_unit: 100, algorithm: sliding_window }
+/// ",
+/// )?;
+/// assert_eq!(config.domains().collect::<Vec<_>>(), ["messaging"]);
+///
+/// let err = Config::from_yaml("domain: x\ndescriptors:\n  - key: a\n    rate_limit: { unit: fortnight }\n  - value: b\n")
+///     .unwrap_err();
+/// assert_eq!(err.problems().len(), 2); // every problem at once, each with its path
+/// assert_eq!(err.problems()[0].path(), "descriptors[0].rate_limit.unit");
+/// # Ok::<(), tollgate::envoy::ConfigError>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct Config {
+    domains: HashMap<String, Node>,
+}
+
+impl Config {
+    /// Reads one YAML file.
+    pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
+        Config::from_files([("", text)])
+    }
+
+    /// Reads several YAML files, each `(name, text)`: the name prefixes the paths of its
+    /// problems. Two files may not configure the same domain (as envoyproxy/ratelimit without
+    /// `MERGE_DOMAIN_CONFIG`).
+    pub fn from_files<'a>(
+        files: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Config, ConfigError> {
+        let mut problems = Problems::default();
+        let mut config = Config::default();
+        for (name, text) in files {
+            let prefix = if name.is_empty() {
+                String::new()
+            } else {
+                format!("{name}: ")
+            };
+            // Merge keys (`<<: *anchor`) are applied, as envoyproxy/ratelimit's YAML reader does.
+            let value = serde_norway::from_str::<Value>(text).and_then(|mut v| {
+                v.apply_merge()?;
+                Ok(v)
+            });
+            let value = match value {
+                Ok(v) => v,
+                Err(e) => {
+                    problems.push(format!("{prefix}(file)"), format!("not YAML: {e}"));
+                    continue;
+                }
+            };
+            let mut reader = Reader {
+                problems: &mut problems,
+                prefix: &prefix,
+            };
+            if let Some((domain, node)) = reader.root(&value) {
+                match config.domains.entry(domain) {
+                    std::collections::hash_map::Entry::Occupied(e) => {
+                        reader.problem("domain", format!("duplicate domain '{}'", e.key()));
+                    }
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        e.insert(node);
+                    }
+                }
+            }
+        }
+        problems.finish()?;
+        Ok(config)
+    }
+
+    /// The configured domains.
+    pub fn domains(&self) -> impl Iterator<Item = &str> {
+        self.domains.keys().map(String::as_str)
+    }
+
+    /// Whether `domain` is configured.
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
+    }
+
+    /// The limit of one descriptor, matched as envoyproxy/ratelimit matches it: level by level,
+    /// an entry's exact value first, then a wildcard value, then the key alone; the limit of
+    /// the node the last entry reaches, if it has one. A request with more entries than the
+    /// tree has levels, or that leaves the tree, matches nothing.
+    pub(crate) fn lookup<'a, 'e>(
+        &'a self,
+        domain: &str,
+        entries: impl ExactSizeIterator<Item = (&'e str, &'e str)>,
+    ) -> Option<Matched<'a>> {
+        let mut node = self.domains.get(domain)?;
+        let last = entries.len().checked_sub(1)?;
+        let mut shared = Vec::new();
+        for (i, (key, value)) in entries.enumerate() {
+            let children = node.children.get(key)?;
+            let next = children
+                .by_value
+                .get(value)
+                .or_else(|| {
+                    children
+                        .wildcards
+                        .iter()
+                        .find(|(parts, _)| wildcard_match(parts, value))
+                        .map(|(_, n)| n)
+                })
+                .or(children.any.as_deref())?;
+            shared.push(next.shared_as.as_deref());
+            if i == last {
+                return next.limit.as_ref().map(|limit| Matched { limit, shared });
+            }
+            if !next.has_children() {
+                return None;
+            }
+            node = next;
+        }
+        None
+    }
+}
+
+/// Whether `value` matches a pattern split on `*` (each `*` any run of characters).
+fn wildcard_match(parts: &[String], value: &str) -> bool {
+    let (Some(first), Some(last)) = (parts.first(), parts.last()) else {
+        return false;
+    };
+    if parts.len() == 1 {
+        return first == value;
+    }
+    let fixed: usize = parts.iter().map(String::len).sum();
+    if value.len() < fixed || !value.starts_with(first.as_str()) || !value.ends_with(last.as_str())
+    {
+        return false;
+    }
+    let mut rest = &value[first.len()..value.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part.as_str()) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+/// One problem of a configuration: where, and what.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    path: String,
+    message: String,
+}
+
+impl Problem {
+    /// Where: `descriptors[0].rate_limit.unit`, after the file's name and `: ` when it has one.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// What.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+/// Every problem of a configuration, each with its path (at most 100, then a count).
+#[derive(Clone, Debug)]
+pub struct ConfigError {
+    problems: Vec<Problem>,
+    more: usize,
+}
+
+impl ConfigError {
+    /// The problems, in the files' order.
+    pub fn problems(&self) -> &[Problem] {
+        &self.problems
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the Envoy rate limit configuration has problems:")?;
+        for p in &self.problems {
+            write!(f, "\n  {p}")?;
+        }
+        if self.more > 0 {
+            write!(f, "\n  ... and {} more", self.more)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+#[derive(Default)]
+struct Problems {
+    list: Vec<Problem>,
+    more: usize,
+}
+
+impl Problems {
+    fn push(&mut self, path: String, message: String) {
+        if self.list.len() < MAX_PROBLEMS {
+            self.list.push(Problem { path, message });
+        } else {
+            self.more += 1;
+        }
+    }
+
+    fn finish(self) -> Result<(), ConfigError> {
+        if self.list.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError {
+                problems: self.list,
+                more: self.more,
+            })
+        }
+    }
+}
+
+struct Reader<'p> {
+    problems: &'p mut Problems,
+    prefix: &'p str,
+}
+
+impl Reader<'_> {
+    fn problem(&mut self, path: &str, message: impl Into<String>) {
+        self.problems
+            .push(format!("{}{path}", self.prefix), message.into());
+    }
+
+    /// A mapping's entries with string keys, reporting unknown keys and non-string keys.
+    fn mapping<'v>(&mut self, path: &str, value: &'v Value) -> Option<HashMap<&'v str, &'v Value>> {
+        let Value::Mapping(map) = value else {
+            self.problem(path, format!("expected a map, found {}", kind(value)));
+            return None;
+        };
+        let mut out = HashMap::new();
+        for (k, v) in map {
+            match k.as_str() {
+                Some(name) if KNOWN_KEYS.contains(&name) => {
+                    out.insert(name, v);
+                }
+                Some(name) => self.problem(&join(path, name), "unknown key"),
+                None => self.problem(path, format!("a key is not a string: {}", kind(k))),
+            }
+        }
+        Some(out)
+    }
+
+    fn root(&mut self, value: &Value) -> Option<(String, Node)> {
+        let map = self.mapping("", value)?;
+        let domain = match map.get("domain") {
+            None => {
+                self.problem("domain", "missing");
+                None
+            }
+            Some(v) => match self.string("domain", v) {
+                Some(d) if d.is_empty() => {
+                    self.problem("domain", "empty");
+                    None
+                }
+                other => other,
+            },
+        };
+        for key in map.keys() {
+            if !matches!(*key, "domain" | "descriptors") {
+                self.problem(key, "not allowed at the top level");
+            }
+        }
+        let mut root = Node::default();
+        if let Some(list) = map.get("descriptors") {
+            self.descriptors("descriptors", list, &mut root);
+        }
+        Some((domain?, root))
+    }
+
+    fn descriptors(&mut self, path: &str, list: &Value, parent: &mut Node) {
+        let items = match list {
+            Value::Sequence(items) => items,
+            Value::Null => return,
+            other => {
+                self.problem(path, format!("expected a list, found {}", kind(other)));
+                return;
+            }
+        };
+        let mut seen = HashSet::new();
+        for (i, item) in items.iter().enumerate() {
+            let here = format!("{path}[{i}]");
+            let Some(map) = self.mapping(&here, item) else {
+                continue;
+            };
+            let key = match map.get("key") {
+                None => {
+                    self.problem(&join(&here, "key"), "missing");
+                    None
+                }
+                Some(v) => match self.scalar(&join(&here, "key"), v) {
+                    Some(k) if k.is_empty() => {
+                        self.problem(&join(&here, "key"), "empty");
+                        None
+                    }
+                    other => other,
+                },
+            };
+            let value = match map.get("value") {
+                None | Some(Value::Null) => String::new(),
+                Some(v) => self.scalar(&join(&here, "value"), v).unwrap_or_default(),
+            };
+            let flag = |reader: &mut Self, name: &str| match map.get(name) {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(other) => {
+                    reader.problem(
+                        &join(&here, name),
+                        format!("expected true or false, found {}", kind(other)),
+                    );
+                    false
+                }
+            };
+            let shadow_mode = flag(self, "shadow_mode");
+            let share_threshold = flag(self, "share_threshold");
+            for name in ["detailed_metric", "value_to_metric"] {
+                flag(self, name);
+            }
+            if flag(self, "quota_mode") {
+                self.problem(
+                    &join(&here, "quota_mode"),
+                    "quota mode is not supported by tollgate",
+                );
+            }
+            for name in [
+                "domain",
+                "unit",
+                "requests_per_unit",
+                "unlimited",
+                "name",
+                "replaces",
+                "algorithm",
+                "burst",
+            ] {
+                if map.contains_key(name) {
+                    self.problem(
+                        &join(&here, name),
+                        "belongs in rate_limit (or at the top level)",
+                    );
+                }
+            }
+            if share_threshold && !value.contains('*') {
+                self.problem(
+                    &join(&here, "share_threshold"),
+                    "only a wildcard value (with '*') can share its threshold",
+                );
+            }
+            let mut node = Node::default();
+            if let Some(rl) = map.get("rate_limit") {
+                node.limit = self
+                    .rate_limit(&join(&here, "rate_limit"), rl, shadow_mode)
+                    .map(Arc::new);
+            }
+            if share_threshold && value.contains('*') {
+                node.shared_as = Some(Arc::from(value.as_str()));
+            }
+            if let Some(list) = map.get("descriptors") {
+                self.descriptors(&join(&here, "descriptors"), list, &mut node);
+            }
+            let Some(key) = key else { continue };
+            if !seen.insert((key.clone(), value.clone())) {
+                let shown = if value.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{key}_{value}")
+                };
+                self.problem(&here, format!("duplicate descriptor '{shown}'"));
+                continue;
+            }
+            let children = parent.children.entry(key).or_default();
+            if value.is_empty() {
+                children.any = Some(Box::new(node));
+            } else if value.contains('*') {
+                let parts = value.split('*').map(str::to_owned).collect();
+                children.wildcards.push((parts, node));
+            } else {
+                children.by_value.insert(value, node);
+            }
+        }
+    }
+
+    fn rate_limit(&mut self, path: &str, value: &Value, shadow_mode: bool) -> Option<Limit> {
+        let map = self.mapping(path, value)?;
+        let mut ok = true;
+        for key in map.keys() {
+            if !matches!(
+                *key,
+                "unit"
+                    | "requests_per_unit"
+                    | "unlimited"
+                    | "name"
+                    | "replaces"
+                    | "algorithm"
+                    | "burst"
+            ) {
+                self.problem(&join(path, key), "not allowed in rate_limit");
+                ok = false;
+            }
+        }
+        let unlimited = match map.get("unlimited") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(other) => {
+                self.problem(
+                    &join(path, "unlimited"),
+                    format!("expected true or false, found {}", kind(other)),
+                );
+                return None;
+            }
+        };
+        let unit = match map.get("unit") {
+            None | Some(Value::Null) => None,
+            Some(v) => {
+                let text = self.string(&join(path, "unit"), v)?;
+                match Unit::parse(&text) {
+                    Some(u) => Some(u),
+                    None => {
+                        self.problem(
+                            &join(path, "unit"),
+                            format!(
+                                "invalid rate limit unit '{text}' (second, minute, hour, day, week, month or year)"
+                            ),
+                        );
+                        return None;
+                    }
+                }
+            }
+        };
+        let requests_per_unit = match map.get("requests_per_unit") {
+            None | Some(Value::Null) => 0,
+            Some(v) => match v.as_u64().and_then(|n| u32::try_from(n).ok()) {
+                Some(n) => n,
+                None => {
+                    self.problem(
+                        &join(path, "requests_per_unit"),
+                        format!("expected a whole number from 0 to {}", u32::MAX),
+                    );
+                    return None;
+                }
+            },
+        };
+        let name = match map.get("name") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(self.string(&join(path, "name"), v)?),
+        };
+        let mut replaces = Vec::new();
+        match map.get("replaces") {
+            None | Some(Value::Null) => {}
+            Some(Value::Sequence(items)) => {
+                for (i, item) in items.iter().enumerate() {
+                    let here = format!("{path}.replaces[{i}]");
+                    let replaced = match item {
+                        Value::Mapping(m) => {
+                            if let Some(k) = m.keys().find(|k| k.as_str() != Some("name")) {
+                                self.problem(&here, format!("unknown key {}", shown(k)));
+                            }
+                            m.get("name").and_then(Value::as_str).unwrap_or_default()
+                        }
+                        other => {
+                            self.problem(&here, format!("expected a map, found {}", kind(other)));
+                            ok = false;
+                            continue;
+                        }
+                    };
+                    if replaced.is_empty() {
+                        self.problem(&here, "should not have an empty replaces entry");
+                        ok = false;
+                    } else if name.as_deref() == Some(replaced) {
+                        self.problem(
+                            &here,
+                            "replaces should not contain the name of its own limit",
+                        );
+                        ok = false;
+                    } else {
+                        replaces.push(Arc::from(replaced));
+                    }
+                }
+            }
+            Some(other) => {
+                self.problem(
+                    &join(path, "replaces"),
+                    format!("expected a list, found {}", kind(other)),
+                );
+                ok = false;
+            }
+        }
+        let algorithm = match map.get("algorithm") {
+            None | Some(Value::Null) => "fixed_window".to_owned(),
+            Some(v) => self.string(&join(path, "algorithm"), v)?,
+        };
+        let burst = match map.get("burst") {
+            None | Some(Value::Null) => None,
+            Some(v) => match v.as_u64().filter(|&b| b > 0) {
+                Some(b) => Some(b),
+                None => {
+                    self.problem(&join(path, "burst"), "expected a whole number above 0");
+                    return None;
+                }
+            },
+        };
+        let kind = if unlimited {
+            if unit.is_some() {
+                self.problem(
+                    &join(path, "unit"),
+                    "should not specify rate limit unit when unlimited",
+                );
+                return None;
+            }
+            LimitKind::Unlimited
+        } else {
+            let Some(unit) = unit else {
+                self.problem(&join(path, "unit"), "missing (or set unlimited: true)");
+                return None;
+            };
+            self.policy(
+                path,
+                &algorithm,
+                requests_per_unit,
+                unit,
+                burst,
+                name.as_deref(),
+            )?
+        };
+        ok.then(|| Limit {
+            kind,
+            requests_per_unit,
+            unit,
+            name: name.map(Arc::from),
+            replaces: replaces.into(),
+            shadow_mode,
+        })
+    }
+
+    fn policy(
+        &mut self,
+        path: &str,
+        algorithm: &str,
+        requests_per_unit: u32,
+        unit: Unit,
+        burst: Option<u64>,
+        name: Option<&str>,
+    ) -> Option<LimitKind> {
+        let n = u64::from(requests_per_unit);
+        let window = unit.duration();
+        let rate = Rate::new(n, window);
+        let bucket = matches!(algorithm, "token_bucket" | "leaky_bucket" | "gcra");
+        if burst.is_some() && !bucket {
+            self.problem(
+                &join(path, "burst"),
+                format!("only token_bucket, leaky_bucket and gcra take a burst, not {algorithm}"),
+            );
+            return None;
+        }
+        if n == 0 {
+            return Some(LimitKind::DenyAll);
+        }
+        let burst = burst.unwrap_or(n);
+        let policy = match algorithm {
+            "fixed_window" => Policy::fixed_window(n, window),
+            "sliding_window" => Policy::sliding_window(n, window),
+            "sliding_log" => Policy::sliding_log(n, window),
+            "token_bucket" => Policy::token_bucket(rate, burst),
+            "leaky_bucket" => Policy::leaky_bucket(rate, burst),
+            "gcra" => Policy::gcra(rate, burst),
+            other => {
+                self.problem(
+                    &join(path, "algorithm"),
+                    format!(
+                        "unknown algorithm '{other}' (fixed_window, sliding_window, sliding_log, token_bucket, leaky_bucket or gcra)"
+                    ),
+                );
+                return None;
+            }
+        };
+        // A name that a policy can carry is shown in the RateLimit fields; any other name
+        // still works for `replaces`.
+        let policy = policy.map(|p| match name {
+            Some(name) => p.clone().named(name).unwrap_or(p),
+            None => p,
+        });
+        match policy {
+            Ok(p) => Some(LimitKind::Counted(p)),
+            Err(e) => {
+                self.problem(path, e.to_string());
+                None
+            }
+        }
+    }
+
+    fn string(&mut self, path: &str, value: &Value) -> Option<String> {
+        match value {
+            Value::String(s) => Some(s.clone()),
+            other => {
+                self.problem(path, format!("expected a string, found {}", kind(other)));
+                None
+            }
+        }
+    }
+
+    /// A string, or a number or boolean as written (as envoyproxy/ratelimit's YAML reader
+    /// takes `value: 500`).
+    fn scalar(&mut self, path: &str, value: &Value) -> Option<String> {
+        match value {
+            Value::String(s) => Some(s.clone()),
+            Value::Number(n) => Some(n.to_string()),
+            Value::Bool(b) => Some(b.to_string()),
+            other => {
+                self.problem(path, format!("expected a string, found {}", kind(other)));
+                None
+            }
+        }
+    }
+}
+
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_owned()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+fn kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "nothing",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Sequence(_) => "a list",
+        Value::Mapping(_) => "a map",
+        Value::Tagged(_) => "a tagged value",
+    }
+}
+
+fn shown(value: &Value) -> String {
+    value
+        .as_str()
+        .map_or_else(|| kind(value).to_owned(), |s| format!("'{s}'"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Algorithm;
+
+    fn limit<'a>(c: &'a Config, domain: &str, entries: &[(&'a str, &'a str)]) -> Option<&'a Limit> {
+        c.lookup(domain, entries.iter().copied())
+            .map(|m| &**m.limit)
+    }
+
+    fn rpu(l: Option<&Limit>) -> Option<u32> {
+        l.map(|l| l.requests_per_unit)
+    }
+
+    fn problems(text: &str) -> Vec<String> {
+        Config::from_yaml(text)
+            .unwrap_err()
+            .problems()
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    const MESSAGING: &str = "
+domain: messaging
+descriptors:
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit:
+          unit: day
+          requests_per_unit: 5
+  - key: to_number
+    rate_limit:
+      unit: day
+      requests_per_unit: 100
+  - key: remote_address
+    rate_limit: { unit: second, requests_per_unit: 10 }
+  - key: remote_address
+    value: 50.0.0.5
+    rate_limit: { unit: second, requests_per_unit: 0 }
+  - key: ldap
+    rate_limit: { unlimited: true }
+  - key: path
+    value: /api/*/action
+    rate_limit: { unit: minute, requests_per_unit: 20 }
+  - key: files
+    value: files/*
+    share_threshold: true
+    rate_limit: { unit: hour, requests_per_unit: 10 }
+  - key: user
+    value: 42
+    rate_limit: { unit: MINUTE, requests_per_unit: 7, algorithm: token_bucket, burst: 3 }
+";
+
+    #[test]
+    fn the_readme_cases_match_as_envoyproxy_ratelimit_does() {
+        let c = Config::from_yaml(MESSAGING).unwrap();
+        // Nested: the placeholder level has no limit of its own; the key with no value
+        // below it matches any number.
+        assert_eq!(
+            rpu(limit(
+                &c,
+                "messaging",
+                &[("message_type", "marketing"), ("to_number", "2061111111")]
+            )),
+            Some(5)
+        );
+        assert_eq!(
+            rpu(limit(&c, "messaging", &[("message_type", "marketing")])),
+            None
+        );
+        assert_eq!(
+            rpu(limit(
+                &c,
+                "messaging",
+                &[("message_type", "transactional"), ("to_number", "1")]
+            )),
+            None
+        );
+        assert_eq!(
+            rpu(limit(&c, "messaging", &[("to_number", "2062222222")])),
+            Some(100)
+        );
+        // The most specific match at a level: key + value before the key alone.
+        assert_eq!(
+            rpu(limit(&c, "messaging", &[("remote_address", "50.0.0.1")])),
+            Some(10)
+        );
+        let black = limit(&c, "messaging", &[("remote_address", "50.0.0.5")]).unwrap();
+        assert!(matches!(black.kind, LimitKind::DenyAll));
+        // More entries than the tree has levels: no match.
+        assert_eq!(
+            rpu(limit(&c, "messaging", &[("to_number", "1"), ("x", "y")])),
+            None
+        );
+        // Unlimited.
+        assert!(matches!(
+            limit(&c, "messaging", &[("ldap", "u")]).unwrap().kind,
+            LimitKind::Unlimited
+        ));
+        // Wildcards anywhere in the value.
+        assert_eq!(
+            rpu(limit(&c, "messaging", &[("path", "/api/123/action")])),
+            Some(20)
+        );
+        assert_eq!(
+            rpu(limit(&c, "messaging", &[("path", "/api/123/other")])),
+            None
+        );
+        // A shared threshold counts every matching value under the pattern.
+        let m = c
+            .lookup("messaging", [("files", "files/a.pdf")].into_iter())
+            .unwrap();
+        assert_eq!(m.shared, [Some("files/*")]);
+        // Unknown domain or key: nothing.
+        assert!(limit(&c, "other", &[("to_number", "1")]).is_none());
+        assert!(limit(&c, "messaging", &[("nope", "1")]).is_none());
+        assert!(limit(&c, "messaging", &[]).is_none());
+        // tollgate's additions; a number as a value; units in any case.
+        let user = limit(&c, "messaging", &[("user", "42")]).unwrap();
+        let LimitKind::Counted(p) = &user.kind else {
+            panic!()
+        };
+        assert_eq!((p.algorithm(), p.limit()), (Algorithm::TokenBucket, 3));
+        assert_eq!(user.unit, Some(Unit::Minute));
+    }
+
+    #[test]
+    fn a_plain_limit_is_a_fixed_window_of_the_unit() {
+        let c = Config::from_yaml("domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 3}\n").unwrap();
+        let LimitKind::Counted(p) = &limit(&c, "d", &[("k", "v")]).unwrap().kind else {
+            panic!()
+        };
+        assert_eq!(
+            p,
+            &Policy::fixed_window(3, Duration::from_secs(3600)).unwrap()
+        );
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once_with_its_path() {
+        let got = problems(
+            "
+domain: ''
+descriptors:
+  - key: a
+    rate_limit: { unit: fortnight, requests_per_unit: 1 }
+  - value: b
+  - key: c
+    rate_limit: { unlimited: true, unit: second }
+  - key: d
+    rate_limit: { unit: second, requests_per_unit: -1 }
+  - key: e
+    colour: red
+    rate_limit: { unit: second, requests_per_unit: 1, name: n, replaces: [{name: n}, {name: ''}] }
+  - key: f
+    share_threshold: true
+  - key: g
+    rate_limit: { unit: second, requests_per_unit: 1, algorithm: fixed_window, burst: 2 }
+  - key: h
+    rate_limit: { unit: second, requests_per_unit: 1, algorithm: magic }
+  - key: a
+  - key: a
+    descriptors:
+      - key: x
+        quota_mode: true
+",
+        );
+        assert_eq!(
+            got,
+            [
+                "domain: empty",
+                "descriptors[0].rate_limit.unit: invalid rate limit unit 'fortnight' (second, minute, hour, day, week, month or year)",
+                "descriptors[1].key: missing",
+                "descriptors[2].rate_limit.unit: should not specify rate limit unit when unlimited",
+                "descriptors[3].rate_limit.requests_per_unit: expected a whole number from 0 to 4294967295",
+                "descriptors[4].colour: unknown key",
+                "descriptors[4].rate_limit.replaces[0]: replaces should not contain the name of its own limit",
+                "descriptors[4].rate_limit.replaces[1]: should not have an empty replaces entry",
+                "descriptors[5].share_threshold: only a wildcard value (with '*') can share its threshold",
+                "descriptors[6].rate_limit.burst: only token_bucket, leaky_bucket and gcra take a burst, not fixed_window",
+                "descriptors[7].rate_limit.algorithm: unknown algorithm 'magic' (fixed_window, sliding_window, sliding_log, token_bucket, leaky_bucket or gcra)",
+                "descriptors[8]: duplicate descriptor 'a'",
+                "descriptors[9].descriptors[0].quota_mode: quota mode is not supported by tollgate",
+                "descriptors[9]: duplicate descriptor 'a'",
+            ]
+        );
+    }
+
+    #[test]
+    fn files_are_named_in_problems_and_a_domain_is_configured_once() {
+        let err = Config::from_files([
+            ("a.yaml", "domain: d\n"),
+            ("b.yaml", "domain: d\n"),
+            ("c.yaml", "domain: [\n"),
+        ])
+        .unwrap_err();
+        let got: Vec<_> = err.problems().iter().map(|p| p.path().to_owned()).collect();
+        assert_eq!(got, ["b.yaml: domain", "c.yaml: (file)"]);
+        assert_eq!(err.problems()[0].message(), "duplicate domain 'd'");
+    }
+
+    #[test]
+    fn anchors_and_merge_keys_are_read_as_yaml_means_them() {
+        let c = Config::from_yaml(
+            "
+domain: d
+descriptors:
+  - key: a
+    rate_limit: &common { unit: minute, requests_per_unit: 4 }
+  - key: b
+    rate_limit:
+      <<: *common
+      requests_per_unit: 9
+",
+        )
+        .unwrap();
+        assert_eq!(rpu(limit(&c, "d", &[("a", "x")])), Some(4));
+        let b = limit(&c, "d", &[("b", "x")]).unwrap();
+        assert_eq!((b.requests_per_unit, b.unit), (9, Some(Unit::Minute)));
+    }
+
+    #[test]
+    fn wildcards_match_in_order() {
+        let parts = |p: &str| p.split('*').map(str::to_owned).collect::<Vec<_>>();
+        assert!(wildcard_match(&parts("value*"), "value"));
+        assert!(wildcard_match(&parts("value*"), "valueXYZ"));
+        assert!(wildcard_match(
+            &parts("/api/*/resource/*/action"),
+            "/api/v1/resource/9/action"
+        ));
+        assert!(!wildcard_match(&parts("a*b*c"), "acb"));
+        assert!(!wildcard_match(&parts("ab*ba"), "aba"));
+    }
+}
