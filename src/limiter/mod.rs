@@ -56,15 +56,18 @@
 //! # }
 //! ```
 
+mod build;
+mod compiled;
+mod observe;
 mod plan;
 mod rule;
 mod tier;
 
-pub(crate) use plan::{
-    Applied, NoKey, Plan, SF_INTEGER_MAX, ShadowPlan, Single, Start, field_value, hashed_key,
-    valid_name,
-};
-pub use plan::{Limiter, LimiterBuilder, LimiterError, ShadowRejection};
+pub(crate) use build::valid_name;
+pub use build::{Limiter, LimiterBuilder, LimiterError};
+pub(crate) use compiled::{SF_INTEGER_MAX, field_value};
+pub use observe::ShadowRejection;
+pub(crate) use plan::{Applied, NoKey, Plan, ShadowPlan, Single, Start, hashed_key};
 pub(crate) use rule::Matcher;
 pub use rule::{MissingKey, Rule};
 pub use tier::{

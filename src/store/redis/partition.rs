@@ -3,7 +3,8 @@
 //! one master down fails only the keys it holds. The master is the one the store's own map of
 //! the Cluster routes the key's slot to (see cluster.rs), named by a hash of its address.
 
-use super::{Backend, RedisStore};
+use super::RedisStore;
+use super::scripts::Backend;
 use crate::store::Check;
 
 impl RedisStore {
