@@ -1532,6 +1532,11 @@ fn routed(
         async move {
             let status = match request.uri().path() {
                 "/scan" => StatusCode::NOT_FOUND,
+                "/probe" => {
+                    // A scanner's 404 that takes a millisecond, as a real one does.
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    StatusCode::NOT_FOUND
+                }
                 "/down" => StatusCode::SERVICE_UNAVAILABLE,
                 _ => return backend.service().oneshot(request).await,
             };
@@ -1737,4 +1742,32 @@ async fn grpc_unavailable_in_a_200_counts_as_a_failure() {
             shed.limit()
         );
     }
+}
+
+/// A scanner that goes on (2,000 404s a second, a millisecond each, for 35 s) while real
+/// clients load the service above its capacity (100 workers at 100 ms; 800 requests a second,
+/// then 1,500): client errors say nothing of the service's time, so Vegas neither learns a
+/// 1 ms service from them nor runs its limit to the maximum.
+#[tokio::test(start_paused = true)]
+async fn a_sustained_scanner_does_not_blind_vegas() {
+    let shed = LoadShedLayer::builder(Limit::vegas(100))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let backend = Backend::new(100, 100);
+    let mut calm = stream("calm", "/", 800, (0, 5_000));
+    let mut busy = stream("busy", "/", 1_500, (5_000, 40_000));
+    calm.patience = Duration::from_millis(500);
+    busy.patience = Duration::from_millis(500);
+    let scanner = stream("scanner", "/probe", 2_000, (5_000, 40_000));
+    let (served, _least) = drive_streams(&shed, &backend, &[calm, busy, scanner]).await;
+    eprintln!(
+        "a sustained scanner: limit {}, served in time {:?} then {:?}",
+        shed.limit(),
+        served["calm"],
+        served["busy"]
+    );
+    assert!(shed.limit() < 300, "limit ran to {}", shed.limit());
+    // The service serves 1,000 a second: 35 s of it, less what a limit that moves costs.
+    assert!(served["busy"].0 >= 30_000, "{:?}", served["busy"]);
 }

@@ -142,6 +142,7 @@ where
                     let mut held = held.take();
                     let answer = match &result {
                         Ok(r) if r.extensions().get::<Refused>().is_some() => Answer::Refused,
+                        Ok(r) if client_error(r) => Answer::ClientError,
                         Ok(r) => Answer::Served {
                             failed: overloaded(r),
                         },
@@ -179,6 +180,19 @@ fn overloaded<B>(response: &Response<B>) -> bool {
             .headers()
             .get("grpc-status")
             .is_some_and(|v| matches!(v.as_bytes(), b"14" | b"4")),
+        _ => false,
+    }
+}
+
+/// Whether an answer is the client's error: a 4xx, or in the head of an HTTP 200 gRPC's
+/// `INVALID_ARGUMENT` (3), `NOT_FOUND` (5), `PERMISSION_DENIED` (7) or `UNAUTHENTICATED` (16).
+fn client_error<B>(response: &Response<B>) -> bool {
+    match response.status().as_u16() {
+        400..=499 => true,
+        200 => response
+            .headers()
+            .get("grpc-status")
+            .is_some_and(|v| matches!(v.as_bytes(), b"3" | b"5" | b"7" | b"16")),
         _ => false,
     }
 }

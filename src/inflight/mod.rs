@@ -54,6 +54,11 @@ pub(crate) enum Answer {
     /// A tollgate layer inside refused it ([`Refused`](crate::answer::Refused)): its time says
     /// nothing about the service.
     Refused,
+    /// A client error (a 4xx, or gRPC's `INVALID_ARGUMENT`, `NOT_FOUND`, `PERMISSION_DENIED`
+    /// or `UNAUTHENTICATED` in a 200's head): the request asked for nothing the service had to
+    /// work for, so its time says nothing about the service either (a scanner's 404s would
+    /// otherwise read as a service that got faster).
+    ClientError,
 }
 
 impl Held {

@@ -328,8 +328,17 @@ impl Vegas {
         // answers (404s from a scanner) or of requests abandoned early cannot lower it on its
         // own, and one that did would read every ordinary window as a full queue and pull the
         // limit down window after window.
+        let log = self.limit.log10().max(1.0);
+        if w.failed && (self.any_failure || full(&w, self.limit)) {
+            // Failures under load (or any, if asked) back off whatever the window's time: fast
+            // failures (a service shedding its own load with quick 503s) must not read as a
+            // faster service first.
+            self.confirmed = 0;
+            self.limit = (self.limit - log).clamp(self.min, self.max);
+            return;
+        }
         if w.typical < self.least {
-            if in_use {
+            if in_use && !w.failed {
                 self.faster[self.confirmed] = w.typical;
                 self.confirmed += 1;
                 if self.confirmed == VEGAS_CONFIRM {
@@ -337,7 +346,11 @@ impl Vegas {
                     self.least = self.faster[VEGAS_CONFIRM / 2];
                     self.confirmed = 0;
                 }
+            } else {
+                // Not in a row: a streak of faster windows under load starts again.
+                self.confirmed = 0;
             }
+            self.implausible = 0;
             return;
         }
         self.confirmed = 0;
@@ -349,7 +362,6 @@ impl Vegas {
             return;
         }
         let nanos = w.typical;
-        let log = self.limit.log10().max(1.0);
         let queue = (self.limit * (1.0 - self.least as f64 / nanos as f64)).ceil();
         if in_use && queue >= self.limit.floor() {
             // The whole limit queued, not one request served: the time without a queue is too
@@ -426,6 +438,20 @@ mod tests {
                 abandoned: false,
             });
         }
+    }
+
+    /// Fast failures, most of each window, back off when asked to (they used to read as a
+    /// faster window first, and the limit never moved).
+    #[test]
+    fn any_failure_backs_off_even_when_failures_are_fast() {
+        let mut c = Limit::vegas(100).back_off_on_any_failure().controller();
+        let mut at = 0;
+        feed(&mut c, &mut at, 205, 100, 60, false);
+        for _ in 0..2_000 {
+            feed(&mut c, &mut at, 1, 100, 20, false);
+            feed(&mut c, &mut at, 2, 1, 20, true);
+        }
+        assert!(c.limit() < 100, "{}", c.limit());
     }
 
     #[test]
