@@ -112,11 +112,14 @@
 //! Put it inside the rate limit (a request refused by its quota should not take a place) and
 //! around the work it protects.
 
+mod admission;
 mod layer;
 #[cfg(feature = "redis")]
 mod leases;
 mod service;
+mod shared;
 pub(crate) mod table;
+mod telemetry;
 
 pub use crate::inflight::{PermitBody, ResponseFuture};
 pub use layer::{

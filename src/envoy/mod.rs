@@ -86,7 +86,9 @@
 //! (tonic's `server` feature); `examples/envoy_rls.rs` is a complete server.
 
 mod config;
+mod problems;
 pub mod proto;
+mod reader;
 mod service;
 
 pub use config::{Config, ConfigError, Problem, Unit};

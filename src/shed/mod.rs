@@ -133,6 +133,8 @@ mod layer;
 mod limit;
 mod queue;
 mod service;
+mod shared;
+mod telemetry;
 
 pub use crate::inflight::{PermitBody, ResponseFuture};
 pub use classify::{ByHeader, Classifier, Criticality, UnknownCriticality};

@@ -1,0 +1,386 @@
+//! How a request is admitted: its permit and places, taking them or waiting for them, and
+//! the answer to a refusal.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+#[cfg(feature = "redis")]
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Response, StatusCode};
+use smallvec::SmallVec;
+
+#[cfg(feature = "redis")]
+use super::leases::{Denied, Lease};
+use super::shared::{KeyQueue, Queue, Shared};
+use crate::answer::{Rejection, RejectionKind};
+use crate::inflight::{Admitted, Held, Refuse};
+use crate::key::{Key, MAX_KEY_LEN};
+
+/// The places one request holds; dropping it gives them back and times the request.
+pub(crate) struct Permit {
+    shared: Arc<Shared>,
+    held: Places,
+    started: u64,
+    /// Whether the request got every place: a permit dropped while being refused gives back
+    /// what it took but teaches nothing about how long requests stay.
+    granted: bool,
+    #[cfg(feature = "redis")]
+    leases: SmallVec<[Lease; 1]>,
+}
+
+/// The limit of a place whose key's tier is not known yet.
+const UNRESOLVED: u32 = 0;
+
+/// The keys a request takes a place of, one per rule that applies.
+type Places = SmallVec<[Place; 2]>;
+
+struct Place {
+    rule: u16,
+    max: u32,
+    /// The key as the extractor found it, while its tier is being resolved.
+    raw: Option<Box<str>>,
+    hash: u64,
+    key: Key,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let shared = &self.shared;
+        #[cfg(feature = "redis")]
+        if let Some(leases) = &shared.leases {
+            leases.release(self.leases.drain(..));
+        }
+        shared.release(&self.held);
+        if self.granted {
+            shared.telemetry.in_flight.decrement();
+            let elapsed = shared.clock.now().saturating_sub(self.started);
+            for place in &self.held {
+                if let Some(rule) = shared.rules.get(usize::from(place.rule)) {
+                    rule.latency.record(elapsed);
+                }
+            }
+            shared.latency.record(elapsed);
+        }
+    }
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field(
+                "keys",
+                &self.held.iter().map(|h| &h.key).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl Permit {
+    /// The request got every place: it is timed from now on.
+    fn grant(mut self) -> Held {
+        self.granted = true;
+        self.shared.telemetry.in_flight.increment();
+        self.started = self.shared.clock.now();
+        Held::Concurrency(self)
+    }
+}
+
+/// Why a request gets no permit.
+pub(crate) enum Refusal {
+    /// The store that counts the places failed and the policy is to refuse.
+    #[cfg(feature = "redis")]
+    StoreDown,
+    /// Rule `rule`'s key is at its limit.
+    Busy { rule: u16 },
+    /// The total cap is reached.
+    Full,
+    /// Rule `rule` found no key and refuses such requests with `status`.
+    NoKey { rule: u16, status: StatusCode },
+}
+
+impl Shared {
+    /// Takes the places of every rule that applies and of the total cap, all or none; or,
+    /// with a queue that has room, waits for them.
+    pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Refusal> {
+        let places = self.places(parts)?;
+        if places.iter().any(|p| p.max == UNRESOLVED) {
+            return Ok(Admitted::Later(Box::pin(Arc::clone(self).resolve(places))));
+        }
+        self.admit_places(places)
+    }
+
+    /// Takes the places (and leases), or waits for them in the queue.
+    fn admit_places(self: &Arc<Self>, mut places: Places) -> Result<Admitted, Refusal> {
+        match self.take(&mut places) {
+            #[cfg(feature = "redis")]
+            Ok(permit) if self.leases.is_some() && !permit.held.is_empty() => {
+                Ok(Admitted::Later(Box::pin(Arc::clone(self).lease(permit))))
+            }
+            Ok(permit) => Ok(Admitted::Now(permit.grant())),
+            Err(refusal) => match &self.queue {
+                Some(queue) if queue.waiting.load(Ordering::Acquire) < queue.max => Ok(
+                    Admitted::Later(Box::pin(Arc::clone(self).wait(places, refusal))),
+                ),
+                _ => Err(refusal),
+            },
+        }
+    }
+
+    /// Asks the resolver the tiers not remembered yet, then admits.
+    async fn resolve(self: Arc<Self>, mut places: Places) -> Result<Held, Refuse> {
+        for place in places.iter_mut().filter(|p| p.max == UNRESOLVED) {
+            if let Some(tiers) = self
+                .rules
+                .get(usize::from(place.rule))
+                .and_then(|r| r.tiers.as_ref())
+            {
+                let raw = place.raw.take();
+                let answer = tiers
+                    .lookup
+                    .resolve(raw.as_deref().unwrap_or(place.key.as_str()))
+                    .await;
+                let tier = tiers.lookup.settle(place.key.as_str(), &answer);
+                place.max = tiers.limit(tier);
+            }
+        }
+        match self.admit_places(places) {
+            Ok(Admitted::Now(held)) => Ok(held),
+            Ok(Admitted::Later(pending)) => pending.await,
+            Err(refusal) => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
+        }
+    }
+
+    /// The keys of the rules that apply to a request.
+    fn places(&self, parts: &Parts) -> Result<Places, Refusal> {
+        let mut places = Places::new();
+        for (index, rule) in self.rules.iter().enumerate() {
+            if !rule.matcher.matches(parts) {
+                continue;
+            }
+            let index = u16::try_from(index).unwrap_or(u16::MAX);
+            let key = match rule.matcher.key(parts) {
+                Ok(Some(key)) => key,
+                Ok(None) => continue,
+                Err(status) => {
+                    return Err(Refusal::NoKey {
+                        rule: index,
+                        status,
+                    });
+                }
+            };
+            let (max, raw) = match &rule.tiers {
+                None => (rule.max, None),
+                Some(tiers) => match tiers.lookup.cached(key.as_str()) {
+                    Some(tier) => (tiers.limit(tier), None),
+                    None => (UNRESOLVED, rule.matcher.raw_key(parts)),
+                },
+            };
+            places.push(Place {
+                rule: index,
+                max,
+                raw,
+                hash: self.in_flight.hash(key.as_str()),
+                key,
+            });
+        }
+        Ok(places)
+    }
+
+    /// Takes every place of `places` and one under the total cap (moving them into the
+    /// permit), or none, and says why.
+    fn take(self: &Arc<Self>, places: &mut Places) -> Result<Permit, Refusal> {
+        for (taken, place) in places.iter().enumerate() {
+            if !self.in_flight.acquire(place.hash, &place.key, place.max) {
+                let refusal = Refusal::Busy { rule: place.rule };
+                self.release_keys(&places[..taken]);
+                return Err(refusal);
+            }
+        }
+        if let Some(total) = &self.total {
+            let taken = total
+                .count
+                // SeqCst, as the waiters count: a release must see a waiter that found no place,
+                // or the waiter the place given back.
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                    (n < total.max).then_some(n + 1)
+                });
+            if taken.is_err() {
+                self.release_keys(places);
+                return Err(Refusal::Full);
+            }
+        }
+        Ok(Permit {
+            shared: Arc::clone(self),
+            held: std::mem::take(places),
+            started: self.clock.now(),
+            granted: false,
+            #[cfg(feature = "redis")]
+            leases: SmallVec::new(),
+        })
+    }
+
+    fn release_keys(&self, places: &[Place]) {
+        for place in places {
+            self.in_flight.release(place.hash, &place.key);
+        }
+    }
+
+    /// Gives back the places of a permit: its keys' and one under the total cap.
+    fn release(&self, places: &[Place]) {
+        self.release_keys(places);
+        if let Some(total) = &self.total {
+            total.count.fetch_sub(1, Ordering::SeqCst);
+            self.in_flight.total_released();
+        }
+    }
+
+    /// Takes a lease on Redis for each key of `permit` (without Redis, nothing to take).
+    async fn lease(self: Arc<Self>, permit: Permit) -> Result<Held, Refuse> {
+        #[cfg(feature = "redis")]
+        let permit = {
+            let mut permit = permit;
+            if let Some(leases) = self.leases.clone() {
+                for i in 0..permit.held.len() {
+                    let place = &permit.held[i];
+                    let rule = place.rule;
+                    match leases.acquire(place.key.as_str(), place.max).await {
+                        Ok(Some(lease)) => permit.leases.push(lease),
+                        Ok(None) => {}
+                        Err(denied) => {
+                            drop(permit);
+                            let refusal = match denied {
+                                Denied::Busy => Refusal::Busy { rule },
+                                Denied::Unavailable => Refusal::StoreDown,
+                            };
+                            return Err(Box::new(move |parts: &Parts| self.answer(parts, refusal)));
+                        }
+                    }
+                }
+            }
+            permit
+        };
+        Ok(permit.grant())
+    }
+
+    /// Waits in the queue for the places, then takes the leases; refused for the last reason
+    /// met when the queue is full or the wait runs out.
+    async fn wait(
+        self: Arc<Self>,
+        mut places: Places,
+        mut refusal: Refusal,
+    ) -> Result<Held, Refuse> {
+        match self.queued(&mut places, &mut refusal).await {
+            Some(permit) => self.lease(permit).await,
+            None => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
+        }
+    }
+
+    /// Waits (if the queue, and the queue of the key that refused, still have room) until
+    /// the places are free, or the queue's longest wait has passed.
+    async fn queued(
+        self: &Arc<Self>,
+        places: &mut Places,
+        refusal: &mut Refusal,
+    ) -> Option<Permit> {
+        let queue = self.queue.as_ref()?;
+        let _in_queue = queue.enter()?;
+        // At most as many wait for a key as it has places, whatever refused the request (its
+        // key, another rule's, or the total cap): one client cannot fill the queue.
+        let mut _key_queues: SmallVec<[KeyQueue<'_>; 2]> = SmallVec::new();
+        for place in places.iter() {
+            if !self
+                .in_flight
+                .enter_queue(place.hash, &place.key, place.max)
+            {
+                return None;
+            }
+            _key_queues.push(KeyQueue {
+                in_flight: &self.in_flight,
+                hash: place.hash,
+                key: place.key.clone(),
+            });
+        }
+        let since = self.clock.now();
+        let permit = self.wait_for_places(queue, places, refusal).await;
+        self.telemetry
+            .queue
+            .record_nanos(self.clock.now().saturating_sub(since));
+        permit
+    }
+
+    /// Takes the places once they are free, or gives up after the queue's longest wait.
+    async fn wait_for_places(
+        self: &Arc<Self>,
+        queue: &Queue,
+        places: &mut Places,
+        refusal: &mut Refusal,
+    ) -> Option<Permit> {
+        // A wait too long to reach (`Duration::MAX`) is no deadline.
+        let deadline = tokio::time::Instant::now().checked_add(queue.max_wait);
+        let on = |places: &Places, refusal: &Refusal| match *refusal {
+            Refusal::Busy { rule } => places.iter().find(|p| p.rule == rule).map(|p| p.hash),
+            _ => None,
+        };
+        self.in_flight
+            .wait_for(places, refusal, on, |places| self.take(places), deadline)
+            .await
+    }
+
+    /// The answer to a refused request.
+    pub(crate) fn answer(&self, parts: &Parts, refusal: Refusal) -> Response<Bytes> {
+        self.telemetry.refused(&self.name, &self.rules, &refusal);
+        let rule = |index: u16| self.rules.get(usize::from(index));
+        let (kind, status, rule, retry_after) = match refusal {
+            Refusal::Busy { rule: index } => (
+                RejectionKind::TooManyInFlight,
+                StatusCode::TOO_MANY_REQUESTS,
+                rule(index),
+                rule(index).map(|r| r.latency.retry_after()),
+            ),
+            #[cfg(feature = "redis")]
+            Refusal::StoreDown => (
+                RejectionKind::Unavailable,
+                StatusCode::SERVICE_UNAVAILABLE,
+                None,
+                Some(Duration::from_secs(1)),
+            ),
+            Refusal::Full => (
+                RejectionKind::Overloaded,
+                StatusCode::SERVICE_UNAVAILABLE,
+                None,
+                Some(self.latency.retry_after()),
+            ),
+            Refusal::NoKey {
+                rule: index,
+                status,
+            } => (RejectionKind::NoKey, status, rule(index), None),
+        };
+        crate::answer::refuse(
+            &*self.responder,
+            &Rejection {
+                kind,
+                parts,
+                status,
+                decision: None,
+                rule: rule.map(|r| &*r.matcher.name),
+                policy: None,
+                window: None,
+                retry_after,
+                error: None,
+            },
+        )
+    }
+}
+
+/// A key as the table holds it: hashed past [`MAX_KEY_LEN`], as the limiter's are.
+pub(crate) fn bounded(key: Key) -> Key {
+    if key.len() <= MAX_KEY_LEN {
+        return key;
+    }
+    let text = key.as_str();
+    let at = text.rfind('@').unwrap_or(text.len());
+    crate::limiter::hashed_key(&text[..at], &text[at..])
+}

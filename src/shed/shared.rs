@@ -1,0 +1,520 @@
+//! The state every clone of the shedder shares: admission, places in flight and their guards.
+
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Response, StatusCode};
+
+use super::classify::{Classifier, Criticality};
+use super::limit::{Controller, Sample};
+use super::queue::Queue;
+use super::telemetry::{Reason, Shed, Telemetry};
+use crate::answer::{Rejection, RejectionKind, Responder};
+use crate::clock::Clock;
+use crate::concurrency::table::InFlight;
+use crate::inflight::{Admitted, Answer, Held};
+use crate::key::{Key, KeyExtractor};
+use crate::sync::{AtomicU32, AtomicU64, Mutex};
+
+/// What every clone of the layer shares.
+pub(crate) struct Shared {
+    /// The layer's name in metrics and logs.
+    pub(super) name: Arc<str>,
+    pub(super) telemetry: Telemetry,
+    /// The controller's limit, read on every request without its lock.
+    pub(super) limit: AtomicU32,
+    pub(super) controller: Mutex<Controller>,
+    pub(super) in_flight: AtomicU32,
+    /// Each class's share of capacity, in thousandths.
+    pub(super) shares: [u16; 4],
+    /// The class with the largest share.
+    pub(super) widest: Criticality,
+    pub(super) classifier: Box<dyn Classifier>,
+    pub(super) utilization: Option<Box<dyn Fn() -> f64 + Send + Sync>>,
+    pub(super) fair: Option<Fair>,
+    /// The least `Retry-After` and its spread, in whole seconds.
+    pub(super) retry_after: u64,
+    pub(super) jitter: u64,
+    pub(super) draws: AtomicU64,
+    pub(super) hasher: foldhash::fast::RandomState,
+    pub(super) admitted: [AtomicU64; 4],
+    pub(super) shed: [AtomicU64; 4],
+    pub(super) responder: Box<dyn Responder>,
+    pub(super) clock: Arc<dyn Clock>,
+    pub(super) queue: Option<Queue>,
+    /// A moving average of the time the service takes to answer, in nanoseconds (each answer
+    /// weighs an eighth; 0 before the first): what a client's deadline must leave for it.
+    pub(super) typical: AtomicU64,
+}
+
+pub(super) struct Fair {
+    pub(super) key: Box<dyn KeyExtractor>,
+    pub(super) tenants: InFlight,
+    /// The share of capacity past which fairness applies, in thousandths.
+    pub(super) from: u64,
+}
+
+/// A place in flight, and its tenant's place with fairness; dropping it gives both back, the
+/// place to a waiter first.
+pub(crate) struct Place {
+    shared: Arc<Shared>,
+    tenant: Option<(u64, Key)>,
+    /// False once given back by hand.
+    armed: bool,
+}
+
+impl Place {
+    pub(super) fn new(shared: &Arc<Shared>, tenant: Option<(u64, Key)>) -> Self {
+        shared.telemetry.in_flight.increment();
+        Place {
+            shared: Arc::clone(shared),
+            tenant,
+            armed: true,
+        }
+    }
+
+    /// Gives the place back under the queue's lock: its count and its tenant's, and nothing
+    /// to the waiters (the caller is serving them).
+    pub(super) fn give_back_locked(mut self) {
+        self.armed = false;
+        self.shared.release_tenant(self.tenant.as_ref());
+        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.shared.telemetry.in_flight.decrement();
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.release_tenant(self.tenant.as_ref());
+            self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            self.shared.telemetry.in_flight.decrement();
+            self.shared.serve_waiters();
+        }
+    }
+}
+
+/// The place of a request admitted by the shedder; dropping it gives the place back.
+pub(crate) struct Guard {
+    place: Place,
+    started: u64,
+    /// Requests in flight when it was admitted, itself included.
+    in_flight: u32,
+    answered: bool,
+}
+
+impl Guard {
+    /// The inner service answered: the adaptive limit learns how long it took, unless a
+    /// tollgate layer inside refused the request.
+    pub(crate) fn answered(&mut self, answer: Answer) {
+        if std::mem::replace(&mut self.answered, true) {
+            return;
+        }
+        if let Answer::Served { failed } = answer {
+            let nanos = self.sample(failed, false);
+            let shared = &self.place.shared;
+            if shared.queue.as_ref().is_some_and(Queue::has_deadlines) {
+                let _ = shared
+                    .typical
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
+                        Some(if avg == 0 {
+                            nanos
+                        } else {
+                            avg - avg / 8 + nanos / 8
+                        })
+                    });
+            }
+        }
+    }
+
+    /// Teaches the controller the request's time in flight so far (returned, in nanoseconds);
+    /// if the limit grows, the waiters get the new room there and then.
+    fn sample(&self, failed: bool, abandoned: bool) -> u64 {
+        let shared = &self.place.shared;
+        let now = shared.clock.now();
+        let nanos = now.saturating_sub(self.started).max(1);
+        let mut controller = shared.controller.lock();
+        let before = controller.limit();
+        controller.sample(Sample {
+            at: now,
+            nanos,
+            in_flight: self.in_flight,
+            failed,
+            abandoned,
+        });
+        let after = controller.limit();
+        shared.limit.store(after, Ordering::Relaxed);
+        drop(controller);
+        if after != before {
+            shared.telemetry.limit.set(f64::from(after));
+            crate::telemetry::event!(
+                debug,
+                name: "tollgate.shed.limit",
+                layer = &*shared.name,
+                from = before,
+                to = after,
+                "the shedder's limit moved"
+            );
+        }
+        if after > before {
+            shared.serve_waiters();
+        }
+        nanos
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        // Dropped before the service answered (the client went away, a timeout fired): its
+        // time so far is a sample too, or a service that hangs would teach nothing. The place
+        // is given back after this, as the field is dropped.
+        if !self.answered {
+            self.sample(false, true);
+        }
+    }
+}
+
+/// Why [`Shared::take`] took no place.
+pub(super) enum NoPlace {
+    /// The class has no room.
+    Full,
+    /// The tenant has its fair share in flight.
+    Unfair,
+    /// The count in flight is no longer the one expected (a place came back meanwhile).
+    Moved,
+}
+
+impl Shared {
+    /// Admits a request (at once, or after a wait in the queue), or sheds it (the class it was
+    /// shed as).
+    pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Shed> {
+        let class = self.classifier.classify(parts);
+        let share = u64::from(self.shares[class.index()]);
+        if let Some(signal) = &self.utilization {
+            let busy = signal();
+            if busy * 1000.0 >= share as f64 {
+                return Err(Shed {
+                    class,
+                    reason: Reason::Utilization,
+                });
+            }
+        }
+        let tenant = self.tenant(parts);
+        let queue = self.queue.as_ref();
+        if let Some(queue) = queue.filter(|q| q.len() > 0) {
+            // Requests wait: the queue decides, so that this one cannot overtake them.
+            return self.enqueue(queue, parts, class, tenant);
+        }
+        match self.take(class, tenant.as_ref(), None) {
+            Ok(in_flight) => {
+                let guard = self.guard(class, Place::new(self, tenant), in_flight);
+                Ok(Admitted::Now(Held::Shed(guard)))
+            }
+            Err(NoPlace::Full | NoPlace::Moved) => match queue {
+                Some(queue) => self.enqueue(queue, parts, class, tenant),
+                None => Err(Shed {
+                    class,
+                    reason: Reason::Capacity,
+                }),
+            },
+            Err(NoPlace::Unfair) => {
+                // Its place went back: a request that joined the queue meanwhile may use it.
+                self.serve_waiters();
+                Err(Shed {
+                    class,
+                    reason: Reason::Unfair,
+                })
+            }
+        }
+    }
+
+    /// The tenant of a request, with fairness: its key's hash and its key.
+    fn tenant(&self, parts: &Parts) -> Option<(u64, Key)> {
+        let fair = self.fair.as_ref()?;
+        let mut key = Key::new();
+        if !fair.key.extract_into(parts, &mut key) {
+            return None;
+        }
+        key.push_raw("@tenant");
+        let key = crate::concurrency::bounded(key);
+        Some((fair.tenants.hash(key.as_str()), key))
+    }
+
+    /// Takes a place in flight for a request of `class` if its class has room, and its
+    /// tenant's if the tenant is within its fair share (or neither): the requests in flight
+    /// with it. With `at`, only if the count in flight is still `at`. Nothing is handed to
+    /// waiters here.
+    pub(super) fn take(
+        &self,
+        class: Criticality,
+        tenant: Option<&(u64, Key)>,
+        at: Option<u32>,
+    ) -> Result<u32, NoPlace> {
+        let limit = u64::from(self.limit.load(Ordering::Relaxed));
+        let threshold = self.threshold(class, limit);
+        let before = match at {
+            None => self
+                .in_flight
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                    (n < threshold).then_some(n + 1)
+                })
+                .map_err(|_| NoPlace::Full)?,
+            Some(at) if at >= threshold => return Err(NoPlace::Full),
+            Some(at) => self
+                .in_flight
+                .compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .map_err(|_| NoPlace::Moved)?,
+        };
+        if let (Some(fair), Some((hash, key))) = (&self.fair, tenant) {
+            if !fair
+                .tenants
+                .acquire(*hash, key, self.fair_share(fair, before, limit, key))
+            {
+                self.in_flight.fetch_sub(1, Ordering::SeqCst);
+                return Err(NoPlace::Unfair);
+            }
+        }
+        Ok(before + 1)
+    }
+
+    /// The requests in flight from which `class` is shed, under `limit`.
+    pub(super) fn threshold(&self, class: Criticality, limit: u64) -> u32 {
+        let share = u64::from(self.shares[class.index()]);
+        u32::try_from((limit * share / 1000).max(1)).unwrap_or(u32::MAX)
+    }
+
+    /// The most requests in flight the tenant of `key` may have when `before` are in flight:
+    /// its fair share near capacity (the limit divided among the tenants in flight, this one
+    /// counted once), no bound below.
+    pub(super) fn fair_share(&self, fair: &Fair, before: u32, limit: u64, key: &Key) -> u32 {
+        if u64::from(before) * 1000 < limit * fair.from {
+            return u32::MAX;
+        }
+        let mut tenants = u64::try_from(fair.tenants.keys()).unwrap_or(u64::MAX);
+        if fair.tenants.count(key.as_str()) == 0 {
+            tenants = tenants.saturating_add(1);
+        }
+        u32::try_from((limit / tenants.max(1)).max(1)).unwrap_or(u32::MAX)
+    }
+
+    fn release_tenant(&self, tenant: Option<&(u64, Key)>) {
+        if let (Some((hash, key)), Some(fair)) = (tenant, &self.fair) {
+            fair.tenants.release(*hash, key);
+        }
+    }
+
+    /// The guard of a request of `class` admitted with `place`, `in_flight` with it.
+    pub(super) fn guard(&self, class: Criticality, place: Place, in_flight: u32) -> Guard {
+        self.admitted[class.index()].fetch_add(1, Ordering::Relaxed);
+        Guard {
+            place,
+            started: self.clock.now(),
+            in_flight,
+            answered: false,
+        }
+    }
+
+    /// The answer to a request shed.
+    pub(crate) fn refuse(&self, parts: &Parts, shed: Shed) -> Response<Bytes> {
+        let Shed { class, reason } = shed;
+        self.shed[class.index()].fetch_add(1, Ordering::Relaxed);
+        self.telemetry.shed[class.index()][reason as usize].increment(1);
+        crate::telemetry::event!(
+            debug,
+            name: "tollgate.shed",
+            layer = &*self.name,
+            class = class.as_str(),
+            reason = reason.as_str(),
+            "the shedder shed a request"
+        );
+        // A draw spread evenly over 0..=jitter.
+        let draw = self
+            .hasher
+            .hash_one(self.draws.fetch_add(1, Ordering::Relaxed));
+        let secs = self.retry_after + draw % self.jitter.saturating_add(1);
+        crate::answer::refuse(
+            &*self.responder,
+            &Rejection {
+                kind: RejectionKind::Overloaded,
+                parts,
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                decision: None,
+                rule: None,
+                policy: None,
+                window: None,
+                retry_after: Some(Duration::from_secs(secs)),
+                error: None,
+            },
+        )
+    }
+}
+
+/// Model checks (`bash scripts/model-check`, under `--cfg tollgate_shuttle`): shuttle runs the
+/// threads below in many interleavings of the shedder's locks and atomics (its PCT scheduler). A
+/// request left waiting in the queue while a place is free (a place handed to nobody) fails
+/// them, as does any place not given back in the end.
+#[cfg(all(test, tollgate_shuttle))]
+mod model_checks {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::inflight::Pending;
+    use crate::shed::{Limit, LoadShedLayer};
+
+    fn layer(limit: Limit) -> Arc<Shared> {
+        let clock = ManualClock::new();
+        clock.advance(Duration::from_secs(1));
+        // Every request is `critical`; at a share of 1 its class may use the whole limit.
+        let layer = LoadShedLayer::builder(limit)
+            .share(Criticality::Critical, 1.0)
+            .queue(4, Duration::from_secs(60))
+            .clock(clock)
+            .build()
+            .unwrap();
+        layer.shared
+    }
+
+    /// Admits a request: served at once (and answered, and gone), or its wait in the queue.
+    /// With room in the queue for every arrival, none is shed.
+    fn arrive(shared: &Arc<Shared>) -> Option<Pending> {
+        let parts = http::Request::new(()).into_parts().0;
+        match shared.admit(&parts) {
+            Ok(Admitted::Now(mut held)) => {
+                held.answered(Answer::Served { failed: false });
+                None
+            }
+            Ok(Admitted::Later(wait)) => Some(wait),
+            Err(shed) => panic!("shed ({}) with room in the queue", shed.reason.as_str()),
+        }
+    }
+
+    /// Nobody waits while a place is free: the places in flight are those of the waiters
+    /// served (their places wait in their channels), and the rest wait only if it is full.
+    fn settled(shared: &Shared, waits: &[Pending]) {
+        let queue = shared.queue.as_ref().unwrap();
+        let in_flight = shared.in_flight.load(Ordering::SeqCst);
+        let limit = u64::from(shared.limit.load(Ordering::SeqCst));
+        let limit = shared.threshold(Criticality::Critical, limit);
+        assert_eq!(
+            in_flight as usize,
+            waits.len() - queue.len(),
+            "each place in flight is a waiter's"
+        );
+        assert!(
+            queue.len() == 0 || in_flight >= limit,
+            "{} wait while {in_flight} of {limit} are in flight",
+            queue.len()
+        );
+    }
+
+    fn run(shared: Arc<Shared>, held: Option<Guard>, arrivals: usize) {
+        let threads: Vec<_> = (0..arrivals)
+            .map(|_| {
+                let shared = Arc::clone(&shared);
+                shuttle::thread::spawn(move || arrive(&shared))
+            })
+            .collect();
+        // A request in flight from the start ends while the others arrive.
+        drop(held);
+        let waits: Vec<Pending> = threads
+            .into_iter()
+            .filter_map(|t| t.join().unwrap())
+            .collect();
+        settled(&shared, &waits);
+        // The waiters leave (their clients went away) at once, each on its own thread: a place
+        // handed to one that is leaving goes on to the next, and in the end every place is back.
+        let leaving: Vec<_> = waits
+            .into_iter()
+            .map(|wait| shuttle::thread::spawn(move || drop(wait)))
+            .collect();
+        for thread in leaving {
+            thread.join().unwrap();
+        }
+        let queue = shared.queue.as_ref().unwrap();
+        assert_eq!(
+            (shared.in_flight.load(Ordering::SeqCst), queue.len()),
+            (0, 0)
+        );
+    }
+
+    fn held(shared: &Arc<Shared>) -> Guard {
+        let parts = http::Request::new(()).into_parts().0;
+        match shared.admit(&parts) {
+            Ok(Admitted::Now(Held::Shed(guard))) => guard,
+            _ => panic!("the first request is admitted"),
+        }
+    }
+
+    #[test]
+    fn places_given_back_go_to_the_waiters() {
+        shuttle::check_pct(
+            || {
+                let shared = layer(Limit::fixed(1));
+                let first = held(&shared);
+                run(shared, Some(first), 3);
+            },
+            crate::sync::pct_runs(),
+            3,
+        );
+    }
+
+    #[test]
+    fn a_limit_that_grows_serves_the_waiters() {
+        shuttle::check_pct(
+            || {
+                // AIMD at 1 in flight, its window one sample short of an increase: the request
+                // in flight answers fast (the limit grows to 2) but keeps its place, so only
+                // the new room can serve a waiter.
+                let shared = layer(Limit::aimd(1, Duration::from_micros(1)).bounds(1, 4));
+                {
+                    let mut controller = shared.controller.lock();
+                    for at in 0..9 {
+                        controller.sample(Sample {
+                            at: 1_000 + at,
+                            nanos: 1,
+                            in_flight: 1,
+                            failed: false,
+                            abandoned: false,
+                        });
+                    }
+                }
+                let mut first = held(&shared);
+                let answering = shuttle::thread::spawn(move || {
+                    first.answered(Answer::Served { failed: false });
+                    first
+                });
+                let threads: Vec<_> = (0..2)
+                    .map(|_| {
+                        let shared = Arc::clone(&shared);
+                        shuttle::thread::spawn(move || arrive(&shared))
+                    })
+                    .collect();
+                let first = answering.join().unwrap();
+                let waits: Vec<Pending> = threads
+                    .into_iter()
+                    .filter_map(|t| t.join().unwrap())
+                    .collect();
+                assert_eq!(shared.limit.load(Ordering::SeqCst), 2, "the window grew it");
+                assert_eq!(shared.controller.lock().limit(), 2);
+                // The first still holds one of the two places.
+                let queue = shared.queue.as_ref().unwrap();
+                let in_flight = shared.in_flight.load(Ordering::SeqCst);
+                assert_eq!(in_flight as usize, 1 + waits.len() - queue.len());
+                assert!(queue.len() == 0 || in_flight >= 2, "a waiter left behind");
+                drop(first);
+                drop(waits);
+                assert_eq!(
+                    (shared.in_flight.load(Ordering::SeqCst), queue.len()),
+                    (0, 0)
+                );
+            },
+            crate::sync::pct_runs(),
+            3,
+        );
+    }
+}
