@@ -468,12 +468,13 @@ async fn a_refusals_daily_quota_holds_the_server_back_a_minute_at_most() {
     let pace = PaceLayer::builder()
         .max_wait(Duration::from_secs(10))
         .build();
-    let mut client = ServiceBuilder::new()
-        .layer(pace.clone())
-        .service(server(calls.clone(), |n| match n {
-            0 => response(429, &[("ratelimit", "\"daily\";r=0;t=86400")]),
-            _ => response(200, &[]),
-        }));
+    let mut client =
+        ServiceBuilder::new()
+            .layer(pace.clone())
+            .service(server(calls.clone(), |n| match n {
+                0 => response(429, &[("ratelimit", "\"daily\";r=0;t=86400")]),
+                _ => response(200, &[]),
+            }));
     assert_eq!(
         call(&mut client, get("http://a.example/")).await.status(),
         StatusCode::TOO_MANY_REQUESTS
@@ -506,19 +507,20 @@ async fn a_refusals_daily_quota_holds_the_server_back_a_minute_at_most() {
 async fn a_local_refusal_names_the_servers_policy() {
     let calls = Arc::new(AtomicU64::new(0));
     let pace = PaceLayer::builder().max_wait(Duration::ZERO).build();
-    let mut client = ServiceBuilder::new()
-        .layer(pace.clone())
-        .service(server(calls.clone(), |n| match n {
-            0 => response(
-                429,
-                &[
-                    ("retry-after", "5"),
-                    ("ratelimit", "\"burst\";r=0;t=5, \"daily\";r=70;t=4000"),
-                ],
-            ),
-            1 => response(429, &[("retry-after", "5")]),
-            _ => response(200, &[]),
-        }));
+    let mut client =
+        ServiceBuilder::new()
+            .layer(pace.clone())
+            .service(server(calls.clone(), |n| match n {
+                0 => response(
+                    429,
+                    &[
+                        ("retry-after", "5"),
+                        ("ratelimit", "\"burst\";r=0;t=5, \"daily\";r=70;t=4000"),
+                    ],
+                ),
+                1 => response(429, &[("retry-after", "5")]),
+                _ => response(200, &[]),
+            }));
     call(&mut client, get("http://a.example/")).await;
     let local = call(&mut client, get("http://a.example/")).await;
     assert!(local.extensions().get::<Refused>().is_some());
@@ -551,17 +553,18 @@ async fn a_reset_past_the_end_of_time_does_not_panic() {
     let pace = PaceLayer::builder()
         .max_wait(Duration::from_secs(1))
         .build();
-    let mut client = ServiceBuilder::new()
-        .layer(pace.clone())
-        .service(server(calls.clone(), |_| {
-            response(
-                200,
-                &[
-                    ("x-ratelimit-remaining", "0"),
-                    ("x-ratelimit-reset", "9223372036854775808"),
-                ],
-            )
-        }));
+    let mut client =
+        ServiceBuilder::new()
+            .layer(pace.clone())
+            .service(server(calls.clone(), |_| {
+                response(
+                    200,
+                    &[
+                        ("x-ratelimit-remaining", "0"),
+                        ("x-ratelimit-reset", "9223372036854775808"),
+                    ],
+                )
+            }));
     assert_eq!(
         call(&mut client, get("http://a.example/")).await.status(),
         StatusCode::OK

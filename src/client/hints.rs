@@ -249,7 +249,9 @@ fn legacy(headers: &HeaderMap, now: SystemTime) -> Option<Quota> {
         SystemTime::UNIX_EPOCH
             .checked_add(Duration::from_secs(reset))
             .map_or(MAX_HINT, |at| {
-                at.duration_since(now).unwrap_or(Duration::ZERO).min(MAX_HINT)
+                at.duration_since(now)
+                    .unwrap_or(Duration::ZERO)
+                    .min(MAX_HINT)
             })
     } else {
         seconds(reset)
@@ -335,11 +337,12 @@ mod tests {
     /// adding duration to instant"); it is the longest hint.
     #[test]
     fn a_reset_past_the_end_of_time_is_the_longest_hint() {
-        for reset in ["9223372036854775808", "18446744073709551615", "9223372036854775807"] {
-            let h = headers(&[
-                ("x-ratelimit-remaining", "0"),
-                ("x-ratelimit-reset", reset),
-            ]);
+        for reset in [
+            "9223372036854775808",
+            "18446744073709551615",
+            "9223372036854775807",
+        ] {
+            let h = headers(&[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", reset)]);
             let hints = ServerHints::read(&h);
             assert_eq!(hints.retry(), RetryHint::After(MAX_HINT), "{reset}");
             assert_eq!(hints.quotas[0].reset, MAX_HINT, "{reset}");
@@ -363,7 +366,10 @@ mod tests {
         assert_eq!(hints.retry(), RetryHint::After(Duration::from_secs(4000)));
         // A line that is not text makes the list unreadable (the legacy fields are read).
         let mut h = headers(&[("ratelimit", "\"a\";r=0;t=5")]);
-        h.append("ratelimit", HeaderValue::from_bytes(b"\"b\";r=0;t=\xff").unwrap());
+        h.append(
+            "ratelimit",
+            HeaderValue::from_bytes(b"\"b\";r=0;t=\xff").unwrap(),
+        );
         assert!(ServerHints::read(&h).quotas.is_empty());
     }
 
