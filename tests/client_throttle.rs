@@ -1038,3 +1038,36 @@ async fn refusals_made_inside_count_for_nothing() {
     call(&mut client).await.unwrap();
     assert_eq!(breaker.status(), BreakerStatus::Open);
 }
+
+/// An open breaker inside the throttle answers with its own 503s (marked `Refused`): those
+/// requests never reached the backend, and the throttle takes them back out of its window.
+/// They were counted as accepts, which brought the throttle's refusals down during an outage.
+#[tokio::test(start_paused = true)]
+async fn an_inner_breakers_refusals_are_taken_out_of_the_window() {
+    let clock = ManualClock::new();
+    let throttle = throttle(&clock, 1);
+    let backend = Scripted::default();
+    let breaker = CircuitBreakerLayer::builder()
+        .breaker(2, Duration::from_secs(3600))
+        .build();
+    let mut client = ServiceBuilder::new()
+        .layer(throttle.clone())
+        .layer(breaker.clone())
+        .service(backend.service());
+    backend.set(200);
+    for _ in 0..10 {
+        assert_eq!(call(&mut client).await.unwrap().status(), StatusCode::OK);
+    }
+    // The outage: two 503s open the breaker, which answers the next eight itself.
+    backend.set(503);
+    for _ in 0..10 {
+        let r = call(&mut client).await.unwrap();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(breaker.status(), BreakerStatus::Open);
+    assert_eq!(backend.calls(), 12);
+    assert_eq!(throttle.stats().throttled, 0);
+    // What reached the backend: 12 requests, 10 accepts.
+    let counts = throttle.counts("");
+    assert_eq!((counts.requests, counts.accepts), (12, 10));
+}

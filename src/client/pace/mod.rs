@@ -4,7 +4,10 @@
 //! `RateLimit-Policy` fields, or the legacy `X-RateLimit-*` trio, through
 //! [`ServerHints`](crate::client::ServerHints)) and spaces the following requests to the same
 //! server (the URI's authority, else the `Host` header) so that the quota lasts until it
-//! resets, each policy on its own:
+//! resets, each policy on its own. Requests with neither (as a layer around a tonic `Channel`
+//! sees them: the channel adds its origin below the layer) are one server's, which is right
+//! for a layer around one channel; give each channel its own layer rather than sharing one.
+//! Each policy:
 //!
 //! - **ample** (more than half the quota left, `2r > q`): no wait at all. A client well within
 //!   its quota pays nothing for pacing, and a long quota (a daily one, say) does not slow a

@@ -371,17 +371,34 @@ impl<C: Clock> Shared<C> {
         z ^ (z >> 31)
     }
 
-    /// Counts a request to the backend of `key`; true if it is refused here.
-    pub(crate) fn throttle(&self, key: u64) -> bool {
+    /// Counts a request to the backend of `key`: `None` if it is refused here, else the bucket
+    /// it was counted in.
+    pub(crate) fn throttle(&self, key: u64) -> Option<u64> {
         self.requests.fetch_add(1, Ordering::Relaxed);
         let draw = self.draw();
         let now = self.clock.now();
-        let refused = self.with_window(key, |w| w.request(now, draw, self.k_milli));
+        let (refused, bucket) =
+            self.with_window(key, |w| (w.request(now, draw, self.k_milli), w.bucket(now)));
         if refused {
             self.throttled.fetch_add(1, Ordering::Relaxed);
             self.throttled_metric.increment(1);
+            return None;
         }
-        refused
+        Some(bucket)
+    }
+
+    /// A request to the backend of `key`, counted in `bucket`, was refused by a tollgate layer
+    /// inside (a breaker, pacing): it never reached the backend, and is taken back.
+    pub(crate) fn unsent(&self, key: u64, bucket: u64) {
+        let now = self.clock.now();
+        let mut windows = self.windows.lock();
+        let window = match &mut *windows {
+            Windows::One(w) => Some(w),
+            Windows::Keyed { map, .. } => map.get_mut(&key),
+        };
+        if let Some(window) = window {
+            window.unsent(now, bucket);
+        }
     }
 
     /// The backend of `key` accepted a request.

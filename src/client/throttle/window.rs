@@ -102,6 +102,24 @@ impl Window {
         scaled < excess
     }
 
+    /// The bucket a request at `now` is counted in (the latest one, for a time gone back).
+    pub(crate) fn bucket(&self, now: u64) -> u64 {
+        (now / self.width).max(self.head)
+    }
+
+    /// A request counted in `bucket` never reached the backend (a layer inside refused it):
+    /// it is taken back, if its bucket is still in the window at `now`.
+    pub(crate) fn unsent(&mut self, now: u64, bucket: u64) {
+        self.advance(now);
+        if bucket <= self.head && self.head - bucket < self.len() {
+            let i = self.index(bucket);
+            if self.slots[i].0 > 0 {
+                self.slots[i].0 -= 1;
+                self.requests -= 1;
+            }
+        }
+    }
+
     /// A request the backend accepted, answered at `now`.
     pub(crate) fn accept(&mut self, now: u64) {
         let i = self.advance(now);
@@ -151,6 +169,29 @@ mod tests {
             }
         );
         assert_eq!(w.counts(5 * S).requests, 0);
+    }
+
+    #[test]
+    fn a_request_not_sent_is_taken_back_while_its_bucket_is_in_the_window() {
+        let mut w = Window::new(3, S);
+        w.request(0, u64::MAX, 2000);
+        let first = w.bucket(0);
+        w.request(S, u64::MAX, 2000);
+        w.unsent(2 * S, first);
+        assert_eq!(w.counts(2 * S).requests, 1);
+        // Never below zero in its bucket.
+        w.unsent(2 * S, first);
+        assert_eq!(w.counts(2 * S).requests, 1);
+        // A bucket that left the window is not touched.
+        let second = w.bucket(S);
+        w.request(3 * S, u64::MAX, 2000);
+        w.unsent(4 * S, second);
+        assert_eq!(w.counts(4 * S).requests, 1);
+        // A time gone back counts in the latest bucket, and is taken back from it.
+        assert_eq!(w.bucket(0), 4);
+        w.request(0, u64::MAX, 2000);
+        w.unsent(0, w.bucket(0));
+        assert_eq!(w.counts(4 * S).requests, 1);
     }
 
     #[test]
