@@ -28,7 +28,15 @@ const NAMES: &[&str] = &[
 ];
 
 /// Quota names, valid as a Token or a String and not.
-const POLICIES: &[&str] = &["\"daily\"", "burst", "\"a b\"", "\"\"", "\"x\\\"y\"", "1bad", "*"];
+const POLICIES: &[&str] = &[
+    "\"daily\"",
+    "burst",
+    "\"a b\"",
+    "\"\"",
+    "\"x\\\"y\"",
+    "1bad",
+    "*",
+];
 
 /// HTTP dates, valid and not.
 const DATES: &[&str] = &[
@@ -48,7 +56,8 @@ pub(crate) fn check(data: &[u8]) {
         if input.is_empty() {
             break;
         }
-        let name = HeaderName::from_static(*input.pick(NAMES));
+        let name: &&str = input.pick(NAMES);
+        let name = HeaderName::from_static(name);
         let value = match input.u8() % 4 {
             0 => input.until(b'\n').to_vec(),
             1 => number(&mut input).into_bytes(),
