@@ -32,9 +32,10 @@
 //! by default) is not sent: it is answered at once with `429 Too Many Requests` and the wait
 //! as `Retry-After` (gRPC `RESOURCE_EXHAUSTED` with `grpc-retry-pushback-ms`), a problem+json
 //! body naming the server's policy (the quota that holds it back, or the exhausted quota of the
-//! refusal that closed the gate; in `grpc-message` for gRPC), marked [`Refused`](crate::answer::Refused), so the caller
-//! decides whether it still wants to send it then. Answers made by a tollgate layer inside this
-//! one (marked `Refused`) say nothing of the server and are not read.
+//! refusal that closed the gate; in `grpc-message` for gRPC), marked
+//! [`Refused`](crate::answer::Refused), so the caller decides whether it still wants to send it
+//! then. Answers made by a tollgate layer inside this one (marked `Refused`) say nothing of the
+//! server and are not read.
 //!
 //! Time goes through a [`Clock`](crate::clock::Clock) and waits through a [`Sleeper`]: tokio's
 //! clock and timer by default (both follow tokio's paused time), a
