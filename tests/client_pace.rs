@@ -458,6 +458,60 @@ async fn the_default_clock_and_sleeper_are_tokios() {
     assert_eq!(clock.now(), 9_000_000_000);
 }
 
+/// What the pacer's builder and futures show when printed.
+#[tokio::test(start_paused = true)]
+async fn the_builder_and_the_future_print() {
+    let builder = PaceLayer::builder()
+        .max_wait(Duration::from_secs(5))
+        .max_servers(7);
+    let shown = format!("{builder:?}");
+    assert!(shown.starts_with("PaceLayerBuilder {"), "{shown}");
+    assert!(
+        shown.contains("max_wait: 5s") && shown.contains("max_servers: 7"),
+        "{shown}"
+    );
+    let pace = builder.build();
+    assert!(format!("{pace:?}").contains("max_wait: 5s"));
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut client = ServiceBuilder::new()
+        .layer(pace)
+        .service(server(calls, |_| response(200, &[])));
+    let future = client.ready().await.unwrap().call(get("http://a.example/"));
+    assert_eq!(format!("{future:?}"), "ResponseFuture { .. }");
+    assert_eq!(future.await.unwrap().status(), StatusCode::OK);
+}
+
+/// A service that is never ready.
+#[derive(Clone, Debug)]
+struct Busy;
+
+impl Service<Request<String>> for Busy {
+    type Response = Response<String>;
+    type Error = &'static str;
+    type Future = std::future::Ready<Result<Response<String>, &'static str>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), &'static str>> {
+        std::task::Poll::Ready(Err("busy"))
+    }
+
+    fn call(&mut self, _: Request<String>) -> Self::Future {
+        std::future::ready(Ok(Response::new(String::new())))
+    }
+}
+
+/// The pacer's readiness is its inner service's, and the service prints its inner one.
+#[tokio::test(start_paused = true)]
+async fn readiness_is_the_inner_services() {
+    use tower::Layer;
+    let mut pace = PaceLayer::new().layer(Busy);
+    assert_eq!(format!("{pace:?}"), "Pace { inner: Busy, .. }");
+    assert!(matches!(pace.get_ref(), Busy));
+    assert_eq!(pace.ready().await.unwrap_err(), "busy");
+}
+
 /// Issue 24, 3: a 429 whose exhausted quota resets in a day closed the gate for a minute, but
 /// also set that quota's next departure a day ahead, so every later request was refused here
 /// and the server never asked again (23 h later: still refused). It holds the server back a

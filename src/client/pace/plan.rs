@@ -269,6 +269,48 @@ mod tests {
         assert_eq!(s.depart(3600 * S, u64::MAX), Ok(86_400 * S));
     }
 
+    /// A quota paces nothing from its reset on, the instant of the reset included (mutants:
+    /// `now < reset_at` as `<=`, in both loops of `depart`).
+    #[test]
+    fn a_quota_paces_nothing_from_the_instant_of_its_reset() {
+        let mut s = Server::default();
+        s.observe(0, &[quota(Some("p"), 0, 10, Some(10))], None);
+        // Reserved at the reset; the next one would be an interval later under the old quota.
+        assert_eq!(s.depart(0, u64::MAX), Ok(10 * S));
+        s.landed();
+        assert_eq!(s.depart(10 * S, u64::MAX), Ok(10 * S));
+        s.landed();
+        // A departure at the reset does not reserve under the old quota: the new one's
+        // spacing holds (4 left of 10 over 10 s: 2 s apart), not the old one's 10 s.
+        let mut s = Server::default();
+        s.observe(0, &[quota(Some("p"), 0, 10, Some(10))], None);
+        assert_eq!(s.depart(10 * S, u64::MAX), Ok(10 * S));
+        s.landed();
+        s.observe(10 * S, &[quota(Some("p"), 4, 10, Some(10))], None);
+        assert_eq!(s.depart(10 * S, u64::MAX), Ok(12 * S));
+    }
+
+    /// Of quotas that hold a request back equally, the first reported is named; a quota that
+    /// holds it as long as the gate does not take the gate's name (mutant: `next_at > at` as
+    /// `>=`).
+    #[test]
+    fn ties_name_the_first_that_held_the_request_back() {
+        let mut s = Server::default();
+        s.observe(
+            0,
+            &[
+                quota(Some("a"), 0, 5, Some(10)),
+                quota(Some("b"), 0, 5, Some(10)),
+            ],
+            None,
+        );
+        assert_eq!(s.depart(0, 0).unwrap_err().policy, Some("a"));
+        let mut s = Server::default();
+        s.observe(0, &[], Some(refusal(5 * S, Some("gate"))));
+        s.observe(0, &[quota(Some("quota"), 0, 5, Some(10))], None);
+        assert_eq!(s.depart(0, 0).unwrap_err().policy, Some("gate"));
+    }
+
     /// The gate names the policy of the refusal that closed it, until it opens.
     #[test]
     fn the_gate_names_its_policy() {
@@ -276,8 +318,11 @@ mod tests {
         s.observe(0, &[], Some(refusal(30 * S, Some("burst"))));
         let e = s.depart(0, 0).unwrap_err();
         assert_eq!((e.wait, e.policy), (30 * S, Some("burst")));
-        // A shorter refusal does not move the gate, nor its name.
+        // A shorter refusal does not move the gate, nor its name; nor does one that ends with
+        // it (mutant: `until > gate` as `>=`).
         s.observe(0, &[], Some(refusal(10 * S, Some("other"))));
+        assert_eq!(s.depart(0, 0).unwrap_err().policy, Some("burst"));
+        s.observe(0, &[], Some(refusal(30 * S, Some("same"))));
         assert_eq!(s.depart(0, 0).unwrap_err().policy, Some("burst"));
         // A longer one does.
         s.observe(0, &[], Some(refusal(40 * S, None)));

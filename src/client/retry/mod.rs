@@ -140,7 +140,7 @@ mod budget;
 mod future;
 mod layer;
 mod policy;
-mod random;
+pub(crate) mod random;
 #[cfg(feature = "reqwest")]
 mod reqwest;
 mod service;

@@ -102,9 +102,9 @@ impl Window {
         scaled < excess
     }
 
-    /// The bucket a request at `now` is counted in (the latest one, for a time gone back).
-    pub(crate) fn bucket(&self, now: u64) -> u64 {
-        (now / self.width).max(self.head)
+    /// The bucket the latest request was counted in (requests count in the latest bucket).
+    pub(crate) fn bucket(&self) -> u64 {
+        self.head
     }
 
     /// A request counted in `bucket` never reached the backend (a layer inside refused it):
@@ -175,23 +175,30 @@ mod tests {
     fn a_request_not_sent_is_taken_back_while_its_bucket_is_in_the_window() {
         let mut w = Window::new(3, S);
         w.request(0, u64::MAX, 2000);
-        let first = w.bucket(0);
+        let first = w.bucket();
+        assert_eq!(first, 0);
         w.request(S, u64::MAX, 2000);
+        assert_eq!(w.bucket(), 1);
         w.unsent(2 * S, first);
         assert_eq!(w.counts(2 * S).requests, 1);
         // Never below zero in its bucket.
         w.unsent(2 * S, first);
         assert_eq!(w.counts(2 * S).requests, 1);
-        // A bucket that left the window is not touched.
-        let second = w.bucket(S);
-        w.request(3 * S, u64::MAX, 2000);
-        w.unsent(4 * S, second);
+        // A bucket that left the window is not touched, though its slot now holds another
+        // bucket's count: bucket 1 left at 4 s, its slot is bucket 4's.
+        w.request(4 * S, u64::MAX, 2000);
+        assert_eq!(w.bucket(), 4);
+        w.unsent(4 * S, 1);
         assert_eq!(w.counts(4 * S).requests, 1);
+        // A request taken back from the latest bucket, the one it was counted in.
+        w.request(5 * S, u64::MAX, 2000);
+        w.unsent(5 * S, w.bucket());
+        assert_eq!(w.counts(5 * S).requests, 1);
         // A time gone back counts in the latest bucket, and is taken back from it.
-        assert_eq!(w.bucket(0), 4);
         w.request(0, u64::MAX, 2000);
-        w.unsent(0, w.bucket(0));
-        assert_eq!(w.counts(4 * S).requests, 1);
+        assert_eq!(w.bucket(), 5);
+        w.unsent(0, 5);
+        assert_eq!(w.counts(5 * S).requests, 1);
     }
 
     #[test]
