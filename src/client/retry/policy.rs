@@ -995,6 +995,14 @@ mod tests {
     }
 
     #[test]
+    fn a_policy_is_named() {
+        assert_eq!(RetryPolicy::default().name(), DEFAULT_CLIENT_NAME);
+        let named = policy(RetryPolicy::builder().name("payments"));
+        assert_eq!(named.name(), "payments");
+        assert!(format!("{named:?}").contains("name: \"payments\""));
+    }
+
+    #[test]
     fn bad_settings_are_errors() {
         let b = RetryPolicy::builder;
         assert_eq!(
