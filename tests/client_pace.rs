@@ -457,3 +457,174 @@ async fn the_default_clock_and_sleeper_are_tokios() {
     // 9 left of 100, 30 s: 3 s apart.
     assert_eq!(clock.now(), 9_000_000_000);
 }
+
+/// What the pacer's builder and futures show when printed.
+#[tokio::test(start_paused = true)]
+async fn the_builder_and_the_future_print() {
+    let builder = PaceLayer::builder()
+        .max_wait(Duration::from_secs(5))
+        .max_servers(7);
+    let shown = format!("{builder:?}");
+    assert!(shown.starts_with("PaceLayerBuilder {"), "{shown}");
+    assert!(
+        shown.contains("max_wait: 5s") && shown.contains("max_servers: 7"),
+        "{shown}"
+    );
+    let pace = builder.build();
+    assert!(format!("{pace:?}").contains("max_wait: 5s"));
+    let calls = Arc::new(AtomicU64::new(0));
+    let mut client = ServiceBuilder::new()
+        .layer(pace)
+        .service(server(calls, |_| response(200, &[])));
+    let future = client.ready().await.unwrap().call(get("http://a.example/"));
+    assert_eq!(format!("{future:?}"), "ResponseFuture { .. }");
+    assert_eq!(future.await.unwrap().status(), StatusCode::OK);
+}
+
+/// A service that is never ready.
+#[derive(Clone, Debug)]
+struct Busy;
+
+impl Service<Request<String>> for Busy {
+    type Response = Response<String>;
+    type Error = &'static str;
+    type Future = std::future::Ready<Result<Response<String>, &'static str>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), &'static str>> {
+        std::task::Poll::Ready(Err("busy"))
+    }
+
+    fn call(&mut self, _: Request<String>) -> Self::Future {
+        std::future::ready(Ok(Response::new(String::new())))
+    }
+}
+
+/// The pacer's readiness is its inner service's, and the service prints its inner one.
+#[tokio::test(start_paused = true)]
+async fn readiness_is_the_inner_services() {
+    use tower::Layer;
+    let mut pace = PaceLayer::new().layer(Busy);
+    assert_eq!(format!("{pace:?}"), "Pace { inner: Busy, .. }");
+    assert!(matches!(pace.get_ref(), Busy));
+    assert_eq!(pace.ready().await.unwrap_err(), "busy");
+}
+
+/// Issue 24, 3: a 429 whose exhausted quota resets in a day closed the gate for a minute, but
+/// also set that quota's next departure a day ahead, so every later request was refused here
+/// and the server never asked again (23 h later: still refused). It holds the server back a
+/// minute at most, as the docs promise; the local refusals meanwhile name the quota.
+#[tokio::test(start_paused = true)]
+async fn a_refusals_daily_quota_holds_the_server_back_a_minute_at_most() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let pace = PaceLayer::builder()
+        .max_wait(Duration::from_secs(10))
+        .build();
+    let mut client =
+        ServiceBuilder::new()
+            .layer(pace.clone())
+            .service(server(calls.clone(), |n| match n {
+                0 => response(429, &[("ratelimit", "\"daily\";r=0;t=86400")]),
+                _ => response(200, &[]),
+            }));
+    assert_eq!(
+        call(&mut client, get("http://a.example/")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Within the minute: refused here, naming the server's policy.
+    let local = call(&mut client, get("http://a.example/")).await;
+    assert!(local.extensions().get::<Refused>().is_some());
+    assert_eq!(local.headers()["retry-after"], "60");
+    let body: serde_json::Value = serde_json::from_str(local.body()).unwrap();
+    assert_eq!(body["violated-policies"][0], "daily");
+    // After it, the server is asked again.
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let again = call(&mut client, get("http://a.example/")).await;
+    assert_eq!(again.status(), StatusCode::OK);
+    assert!(again.extensions().get::<Refused>().is_none());
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    tokio::time::advance(Duration::from_secs(23 * 3600)).await;
+    assert_eq!(
+        call(&mut client, get("http://a.example/")).await.status(),
+        StatusCode::OK
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}
+
+/// Issue 21, 2: a local refusal while a server's refusal holds the gate names the policy the
+/// server's `RateLimit` field found exhausted, as every tollgate refusal names its policy (the
+/// problem body's `violated-policies`, gRPC's `grpc-message`); a refusal that named none
+/// names none.
+#[tokio::test(start_paused = true)]
+async fn a_local_refusal_names_the_servers_policy() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let pace = PaceLayer::builder().max_wait(Duration::ZERO).build();
+    let mut client =
+        ServiceBuilder::new()
+            .layer(pace.clone())
+            .service(server(calls.clone(), |n| match n {
+                0 => response(
+                    429,
+                    &[
+                        ("retry-after", "5"),
+                        ("ratelimit", "\"burst\";r=0;t=5, \"daily\";r=70;t=4000"),
+                    ],
+                ),
+                1 => response(429, &[("retry-after", "5")]),
+                _ => response(200, &[]),
+            }));
+    call(&mut client, get("http://a.example/")).await;
+    let local = call(&mut client, get("http://a.example/")).await;
+    assert!(local.extensions().get::<Refused>().is_some());
+    let body: serde_json::Value = serde_json::from_str(local.body()).unwrap();
+    assert_eq!(body["violated-policies"][0], "burst");
+    assert!(body["detail"].as_str().unwrap().contains("\"burst\""));
+    let grpc = Request::post("http://a.example/svc/M")
+        .header("content-type", "application/grpc")
+        .body(String::new())
+        .unwrap();
+    let local = call(&mut client, grpc).await;
+    assert_eq!(local.headers()["grpc-status"], "8");
+    let message = local.headers()["grpc-message"].to_str().unwrap();
+    assert!(message.contains("burst"), "{message}");
+    // A refusal with only Retry-After names no policy.
+    tokio::time::advance(Duration::from_secs(5)).await;
+    call(&mut client, get("http://a.example/")).await;
+    let local = call(&mut client, get("http://a.example/")).await;
+    assert!(local.extensions().get::<Refused>().is_some());
+    let body: serde_json::Value = serde_json::from_str(local.body()).unwrap();
+    assert_eq!(body["violated-policies"][0], "");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+/// Issue 24, 1: a plain 200 with `X-RateLimit-Remaining` and an `X-RateLimit-Reset` past what
+/// `SystemTime` holds panicked the caller's task; it reads as the longest hint.
+#[tokio::test(start_paused = true)]
+async fn a_reset_past_the_end_of_time_does_not_panic() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let pace = PaceLayer::builder()
+        .max_wait(Duration::from_secs(1))
+        .build();
+    let mut client =
+        ServiceBuilder::new()
+            .layer(pace.clone())
+            .service(server(calls.clone(), |_| {
+                response(
+                    200,
+                    &[
+                        ("x-ratelimit-remaining", "0"),
+                        ("x-ratelimit-reset", "9223372036854775808"),
+                    ],
+                )
+            }));
+    assert_eq!(
+        call(&mut client, get("http://a.example/")).await.status(),
+        StatusCode::OK
+    );
+    // Nothing left until the reset, read as a day: refused here.
+    let local = call(&mut client, get("http://a.example/")).await;
+    assert_eq!(local.headers()["retry-after"], "86400");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}

@@ -399,8 +399,9 @@ async fn reqwest_with_the_middleware() {
     use tollgate::client::RetryMiddleware;
     let (addr, calls) = server(Policy::fixed_window(1, 2 * S).unwrap(), as_is).await;
     let policy = policy().build().unwrap();
+    let middleware = RetryMiddleware::new(policy.clone());
     let client = ClientBuilder::new(reqwest_middleware::reqwest::Client::new())
-        .with(RetryMiddleware::new(policy.clone()))
+        .with(middleware.clone())
         .build();
     let url = format!("http://{addr}/");
     assert_eq!(
@@ -422,6 +423,8 @@ async fn reqwest_with_the_middleware() {
     assert_eq!(calls.load(Ordering::SeqCst), 4);
     let s = policy.stats();
     assert_eq!((s.requests, s.retries, s.not_replayable), (3, 1, 1));
+    // The middleware's clones share the policy's stats.
+    assert_eq!(middleware.stats(), s);
 }
 
 // ---- Simulations, in process, under paused time ----

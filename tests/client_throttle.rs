@@ -1038,3 +1038,92 @@ async fn refusals_made_inside_count_for_nothing() {
     call(&mut client).await.unwrap();
     assert_eq!(breaker.status(), BreakerStatus::Open);
 }
+
+/// An open breaker inside the throttle answers with its own 503s (marked `Refused`): those
+/// requests never reached the backend, and the throttle takes them back out of its window.
+/// They were counted as accepts, which brought the throttle's refusals down during an outage.
+#[tokio::test(start_paused = true)]
+async fn an_inner_breakers_refusals_are_taken_out_of_the_window() {
+    let clock = ManualClock::new();
+    let throttle = throttle(&clock, 1);
+    let backend = Scripted::default();
+    let breaker = CircuitBreakerLayer::builder()
+        .breaker(2, Duration::from_secs(3600))
+        .build();
+    let mut client = ServiceBuilder::new()
+        .layer(throttle.clone())
+        .layer(breaker.clone())
+        .service(backend.service());
+    backend.set(200);
+    for _ in 0..10 {
+        assert_eq!(call(&mut client).await.unwrap().status(), StatusCode::OK);
+    }
+    // The outage: two 503s open the breaker, which answers the next eight itself.
+    backend.set(503);
+    for _ in 0..10 {
+        let r = call(&mut client).await.unwrap();
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(breaker.status(), BreakerStatus::Open);
+    assert_eq!(backend.calls(), 12);
+    assert_eq!(throttle.stats().throttled, 0);
+    // What reached the backend: 12 requests, 10 accepts.
+    let counts = throttle.counts("");
+    assert_eq!((counts.requests, counts.accepts), (12, 10));
+}
+
+/// A service that is never ready.
+#[derive(Clone, Debug)]
+struct Busy;
+
+impl Service<Request<String>> for Busy {
+    type Response = Response<String>;
+    type Error = &'static str;
+    type Future = std::future::Ready<Result<Response<String>, &'static str>>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), &'static str>> {
+        std::task::Poll::Ready(Err("busy"))
+    }
+
+    fn call(&mut self, _: Request<String>) -> Self::Future {
+        std::future::ready(Ok(Response::new(String::new())))
+    }
+}
+
+/// The throttle's readiness is its inner service's; its builder, service and future print.
+#[tokio::test]
+async fn readiness_is_the_inner_services_and_the_parts_print() {
+    use tower::Layer;
+    let builder = AdaptiveThrottleLayer::builder()
+        .k(3.0)
+        .window(Duration::from_secs(60))
+        .name("backend")
+        .seed(9);
+    let shown = format!("{builder:?}");
+    assert!(
+        shown.starts_with("AdaptiveThrottleLayerBuilder {"),
+        "{shown}"
+    );
+    for part in [
+        "name: \"backend\"",
+        "k: 3.0",
+        "window: 60s",
+        "seed: Some(9)",
+    ] {
+        assert!(shown.contains(part), "{shown}");
+    }
+    let layer = builder.build().unwrap();
+    let mut busy = layer.layer(Busy);
+    assert_eq!(format!("{busy:?}"), "AdaptiveThrottle { inner: Busy, .. }");
+    assert!(matches!(busy.get_ref(), Busy));
+    assert_eq!(busy.ready().await.unwrap_err(), "busy");
+    let mut ok = layer.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let future = ok.ready().await.unwrap().call(Request::new(String::new()));
+    assert_eq!(format!("{future:?}"), "ResponseFuture { .. }");
+    assert_eq!(future.await.unwrap().status(), StatusCode::OK);
+}

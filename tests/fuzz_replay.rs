@@ -10,6 +10,9 @@ mod config;
 mod fields;
 #[path = "../fuzz/checks/forwarded.rs"]
 mod forwarded;
+#[cfg(feature = "client")]
+#[path = "../fuzz/checks/hints.rs"]
+mod hints;
 #[path = "../fuzz/checks/input.rs"]
 mod input;
 #[path = "../fuzz/checks/networks.rs"]
@@ -61,6 +64,12 @@ fn forwarded() {
 #[test]
 fn networks() {
     replay("networks", networks::check);
+}
+
+#[cfg(feature = "client")]
+#[test]
+fn hints() {
+    replay("hints", hints::check);
 }
 
 #[test]

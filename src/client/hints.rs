@@ -1,7 +1,19 @@
 //! What a response says about when to call again: `Retry-After` (both forms),
 //! `grpc-retry-pushback-ms`, the IETF `RateLimit` and `RateLimit-Policy` fields, and the legacy
 //! `X-RateLimit-*` trio. Malformed values are ignored, never an error: a hint is advice.
+//!
+//! - `RateLimit` and `RateLimit-Policy` are Structured Fields Lists, which may be split over
+//!   several field lines: the lines are joined (with `, `) before they are parsed. A member
+//!   without both `r` and `t` as non-negative Integers is skipped (a quota that says nothing
+//!   about when it resets is no hint; `r=0` with a bad `t` is not "retry now").
+//! - A `grpc-retry-pushback-ms` that is not a non-negative integer (negative, empty, or not a
+//!   number) means "do not retry", as gRPC's retry design reads it; a number too large to
+//!   hold is a very long wait.
+//! - Times far in the future (an `X-RateLimit-Reset` Unix time past what `SystemTime` can
+//!   hold, digits past `u64`) are read as the longest hint, [`MAX_HINT`]; nothing a server
+//!   sends makes reading its headers panic (`fuzz/checks/hints.rs` holds it so).
 
+use std::borrow::Cow;
 use std::time::{Duration, SystemTime};
 
 use http::HeaderMap;
@@ -41,7 +53,7 @@ pub struct ServerHints {
 pub enum Pushback {
     /// Retry after this long.
     After(Duration),
-    /// A negative value: do not retry.
+    /// A negative or malformed value: do not retry.
     Stop,
 }
 
@@ -68,7 +80,7 @@ pub enum RetryHint {
     None,
     /// After this long.
     After(Duration),
-    /// Not at all (a negative gRPC pushback).
+    /// Not at all (a negative or malformed gRPC pushback).
     Stop,
 }
 
@@ -83,11 +95,12 @@ impl ServerHints {
     /// Reads the hints of a response received at `now` (which dates are counted from).
     pub fn read_at(headers: &HeaderMap, now: SystemTime) -> Self {
         let text = |name| headers.get(name).and_then(|v| v.to_str().ok());
+        let policy = list(headers, RATELIMIT_POLICY);
         Self {
             retry_after: text(http::header::RETRY_AFTER).and_then(|v| retry_after(v, now)),
-            pushback: text(GRPC_RETRY_PUSHBACK_MS).and_then(pushback),
-            quotas: text(RATELIMIT)
-                .map(|v| ratelimit(v, text(RATELIMIT_POLICY)))
+            pushback: headers.get(GRPC_RETRY_PUSHBACK_MS).map(pushback),
+            quotas: list(headers, RATELIMIT)
+                .map(|v| ratelimit(&v, policy.as_deref()))
                 .filter(|q| !q.is_empty())
                 .or_else(|| legacy(headers, now).map(|q| SmallVec::from_iter([q])))
                 .unwrap_or_default(),
@@ -114,6 +127,22 @@ impl ServerHints {
     }
 }
 
+/// A list field's lines joined into one value (RFC 9110, 5.3), borrowed when there is one
+/// line. `None` when the field is absent, or a line of it is not visible ASCII (then the list
+/// cannot be read).
+fn list(headers: &HeaderMap, name: http::HeaderName) -> Option<Cow<'_, str>> {
+    let mut lines = headers.get_all(name).iter();
+    let first = lines.next()?.to_str().ok()?;
+    let mut joined = Cow::Borrowed(first);
+    for line in lines {
+        let line = line.to_str().ok()?;
+        let all = joined.to_mut();
+        all.push_str(", ");
+        all.push_str(line);
+    }
+    Some(joined)
+}
+
 fn seconds(n: u64) -> Duration {
     Duration::from_secs(n).min(MAX_HINT)
 }
@@ -133,17 +162,19 @@ fn retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     )
 }
 
-fn pushback(value: &str) -> Option<Pushback> {
-    let value = value.trim();
-    if let Some(negative) = value.strip_prefix('-') {
-        return (!negative.is_empty() && negative.bytes().all(|b| b.is_ascii_digit()))
-            .then_some(Pushback::Stop);
+/// Milliseconds, or anything else (a negative number, an empty or malformed value): do not
+/// retry, as gRPC's retry design (A6) reads it.
+fn pushback(value: &http::HeaderValue) -> Pushback {
+    let value = value.as_bytes().trim_ascii();
+    if value.is_empty() || !value.iter().all(u8::is_ascii_digit) {
+        return Pushback::Stop;
     }
-    if value.is_empty() || !value.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let ms = value.parse().unwrap_or(u64::MAX);
-    Some(Pushback::After(Duration::from_millis(ms).min(MAX_HINT)))
+    // All digits: only an overflow fails, and that is "a very long time".
+    let ms = std::str::from_utf8(value)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(u64::MAX);
+    Pushback::After(Duration::from_millis(ms).min(MAX_HINT))
 }
 
 /// The Integer parameters of a Structured Fields member.
@@ -189,7 +220,7 @@ fn ratelimit(value: &str, policy: Option<&str>) -> SmallVec<[Quota; 1]> {
         .into_iter()
         .filter_map(|(name, params)| {
             let remaining = param(&params, "r")?;
-            let reset = param(&params, "t").map_or(Duration::ZERO, seconds);
+            let reset = seconds(param(&params, "t")?);
             let declared = policies.iter().find(|(n, _)| *n == name);
             Some(Quota {
                 limit: declared.and_then(|(_, p)| param(p, "q")),
@@ -214,10 +245,14 @@ fn legacy(headers: &HeaderMap, now: SystemTime) -> Option<Quota> {
     let remaining = number(X_RATELIMIT_REMAINING)?.min(MAX_COUNT);
     let reset = number(X_RATELIMIT_RESET)?;
     let reset = if reset >= UNIX_TIME_FROM {
-        (SystemTime::UNIX_EPOCH + Duration::from_secs(reset))
-            .duration_since(now)
-            .unwrap_or(Duration::ZERO)
-            .min(MAX_HINT)
+        // A time past what `SystemTime` holds is as far as a hint goes.
+        SystemTime::UNIX_EPOCH
+            .checked_add(Duration::from_secs(reset))
+            .map_or(MAX_HINT, |at| {
+                at.duration_since(now)
+                    .unwrap_or(Duration::ZERO)
+                    .min(MAX_HINT)
+            })
     } else {
         seconds(reset)
     };
@@ -275,10 +310,89 @@ mod tests {
         );
         let h = headers(&[("grpc-retry-pushback-ms", "-1"), ("retry-after", "9")]);
         assert_eq!(ServerHints::read(&h).retry(), RetryHint::Stop);
-        for bad in ["", "-", "1e3", "ten", "--1"] {
-            let h = headers(&[("grpc-retry-pushback-ms", bad)]);
-            assert_eq!(ServerHints::read(&h).pushback, None, "{bad:?}");
+        let h = headers(&[("grpc-retry-pushback-ms", " 99999999999999999999999 ")]);
+        assert_eq!(ServerHints::read(&h).retry(), RetryHint::After(MAX_HINT));
+        assert_eq!(ServerHints::read(&HeaderMap::new()).pushback, None);
+    }
+
+    /// gRPC's retry design (A6): a pushback that is not a non-negative integer means "do not
+    /// retry" (it was ignored, and the retry layer retried after its own backoff).
+    #[test]
+    fn a_malformed_pushback_stops() {
+        for bad in ["", "-", "1e3", "ten", "--1", "1.5", "+5"] {
+            let h = headers(&[("grpc-retry-pushback-ms", bad), ("retry-after", "1")]);
+            let hints = ServerHints::read(&h);
+            assert_eq!(hints.pushback, Some(Pushback::Stop), "{bad:?}");
+            assert_eq!(hints.retry(), RetryHint::Stop, "{bad:?}");
         }
+        let mut h = HeaderMap::new();
+        h.insert(
+            "grpc-retry-pushback-ms",
+            HeaderValue::from_bytes(b"\xff12").unwrap(),
+        );
+        assert_eq!(ServerHints::read(&h).pushback, Some(Pushback::Stop));
+    }
+
+    /// Issue 24, 1: `X-RateLimit-Reset` past what `SystemTime` holds panicked ("overflow when
+    /// adding duration to instant"); it is the longest hint.
+    #[test]
+    fn a_reset_past_the_end_of_time_is_the_longest_hint() {
+        for reset in [
+            "9223372036854775808",
+            "18446744073709551615",
+            "9223372036854775807",
+        ] {
+            let h = headers(&[("x-ratelimit-remaining", "0"), ("x-ratelimit-reset", reset)]);
+            let hints = ServerHints::read(&h);
+            assert_eq!(hints.retry(), RetryHint::After(MAX_HINT), "{reset}");
+            assert_eq!(hints.quotas[0].reset, MAX_HINT, "{reset}");
+        }
+    }
+
+    /// Issue 24, 5: the fields are lists, which may come on several lines; only the first
+    /// line was read.
+    #[test]
+    fn list_fields_on_several_lines_are_joined() {
+        let h = headers(&[
+            ("ratelimit", "\"burst\";r=5;t=1"),
+            ("ratelimit-policy", "\"burst\";q=10;w=1"),
+            ("ratelimit", "\"daily\";r=0;t=4000"),
+            ("ratelimit-policy", "\"daily\";q=100;w=86400"),
+        ]);
+        let hints = ServerHints::read(&h);
+        assert_eq!(hints.quotas.len(), 2);
+        assert_eq!(hints.quotas[1].policy.as_deref(), Some("daily"));
+        assert_eq!(hints.quotas[1].limit, Some(100));
+        assert_eq!(hints.retry(), RetryHint::After(Duration::from_secs(4000)));
+        // A line that is not text makes the list unreadable (the legacy fields are read).
+        let mut h = headers(&[("ratelimit", "\"a\";r=0;t=5")]);
+        h.append(
+            "ratelimit",
+            HeaderValue::from_bytes(b"\"b\";r=0;t=\xff").unwrap(),
+        );
+        assert!(ServerHints::read(&h).quotas.is_empty());
+    }
+
+    /// Issue 24, 7: `r=0` with a missing or malformed `t` was `After(0)`, "retry now".
+    #[test]
+    fn a_member_without_a_valid_t_is_no_hint() {
+        for bad in [
+            "\"a\";r=0",
+            "\"a\";r=0;t=-1",
+            "\"a\";r=0;t=1.5",
+            "\"a\";r=0;t=\"3\"",
+            "\"a\";r=0;t=?1",
+        ] {
+            let hints = ServerHints::read(&headers(&[("ratelimit", bad)]));
+            assert!(hints.quotas.is_empty(), "{bad}");
+            assert_eq!(hints.retry(), RetryHint::None, "{bad}");
+        }
+        // The valid members of the same field are still read.
+        let h = headers(&[("ratelimit", "\"a\";r=0, \"b\";r=0;t=7")]);
+        assert_eq!(
+            ServerHints::read(&h).retry(),
+            RetryHint::After(Duration::from_secs(7))
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use http::{Request, Response};
 use parking_lot::Mutex;
 use tower_layer::Layer;
 
-use super::plan::Server;
+use super::plan::{Refusal, Server};
 use super::service::Pace;
 use crate::answer::{DefaultResponder, RejectionKind, Responder};
 use crate::client::local::{made_locally, refused_by_server, server_key};
@@ -340,7 +340,17 @@ impl<C: Clock, Z> Shared<C, Z> {
         };
         server.landed();
         if let Some((hints, refused_for)) = said {
-            server.observe(now, &hints.quotas, refused_for);
+            // The refusal names the quota it found exhausted (the longest to reset).
+            let refused = refused_for.map(|wait| Refusal {
+                wait,
+                policy: hints
+                    .quotas
+                    .iter()
+                    .filter(|q| q.remaining == 0)
+                    .max_by_key(|q| q.reset)
+                    .and_then(|q| q.policy.as_deref()),
+            });
+            server.observe(now, &hints.quotas, refused);
         }
     }
 }

@@ -4,7 +4,10 @@
 //! `RateLimit-Policy` fields, or the legacy `X-RateLimit-*` trio, through
 //! [`ServerHints`](crate::client::ServerHints)) and spaces the following requests to the same
 //! server (the URI's authority, else the `Host` header) so that the quota lasts until it
-//! resets, each policy on its own:
+//! resets, each policy on its own. Requests with neither (as a layer around a tonic `Channel`
+//! sees them: the channel adds its origin below the layer) are one server's, which is right
+//! for a layer around one channel; give each channel its own layer rather than sharing one.
+//! Each policy:
 //!
 //! - **ample** (more than half the quota left, `2r > q`): no wait at all. A client well within
 //!   its quota pays nothing for pacing, and a long quota (a daily one, say) does not slow a
@@ -20,14 +23,19 @@
 //! - **refused** (a `429` or `503`, or gRPC `RESOURCE_EXHAUSTED` or `UNAVAILABLE`, with a
 //!   hint: `grpc-retry-pushback-ms`, `Retry-After`, or an exhausted quota's `t`): no request
 //!   to that server leaves before the hint has passed, or a minute, whichever comes first (one
-//!   answer with a day-long hint cannot cut the server off for a day).
+//!   answer with a day-long hint cannot cut the server off for a day). The quotas a refusal
+//!   reports hold the server back no longer: a 429 with `"daily";r=0;t=86400` lets one request
+//!   a minute ask again. (A `200` with `r=0` is another matter: the request was served, and
+//!   the server says nothing is left until the reset, so the next one leaves at the reset.)
 //!
 //! A request whose departure is more than [`max_wait`](PaceLayerBuilder::max_wait) away (60 s
 //! by default) is not sent: it is answered at once with `429 Too Many Requests` and the wait
 //! as `Retry-After` (gRPC `RESOURCE_EXHAUSTED` with `grpc-retry-pushback-ms`), a problem+json
-//! body naming the server's policy, marked [`Refused`](crate::answer::Refused), so the caller
-//! decides whether it still wants to send it then. Answers made by a tollgate layer inside this
-//! one (marked `Refused`) say nothing of the server and are not read.
+//! body naming the server's policy (the quota that holds it back, or the exhausted quota of the
+//! refusal that closed the gate; in `grpc-message` for gRPC), marked
+//! [`Refused`](crate::answer::Refused), so the caller decides whether it still wants to send it
+//! then. Answers made by a tollgate layer inside this one (marked `Refused`) say nothing of the
+//! server and are not read.
 //!
 //! Time goes through a [`Clock`](crate::clock::Clock) and waits through a [`Sleeper`]: tokio's
 //! clock and timer by default (both follow tokio's paused time), a

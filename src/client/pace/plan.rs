@@ -13,6 +13,8 @@ pub(crate) const MAX_POLICIES: usize = 8;
 pub(crate) struct Server {
     /// No request leaves before this: the end of a refusal's hint.
     gate: u64,
+    /// The policy the refusal that set the gate named (its exhausted quota), if any.
+    gate_policy: Option<Box<str>>,
     /// Requests that have a departure and no answer yet (waiting or sent).
     in_flight: u64,
     tracks: SmallVec<[Track; 2]>,
@@ -40,7 +42,18 @@ struct Track {
 pub(crate) struct TooLong<'a> {
     /// Nanoseconds to wait.
     pub(crate) wait: u64,
-    /// The policy that holds the request back (`None`: a refusal's hint, or a legacy field).
+    /// The policy that holds the request back: the quota that paces it, or the exhausted
+    /// quota of the refusal that closed the gate (`None`: a refusal that named none, or a
+    /// legacy field).
+    pub(crate) policy: Option<&'a str>,
+}
+
+/// A refusal read from a response.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Refusal<'a> {
+    /// Its hint, in nanoseconds.
+    pub(crate) wait: u64,
+    /// The quota it named as exhausted (the longest to reset), if any.
     pub(crate) policy: Option<&'a str>,
 }
 
@@ -61,9 +74,13 @@ impl Server {
             }
         }
         if at - now > max_wait {
+            let policy = match binding {
+                Some(i) => self.tracks[i].policy.as_deref(),
+                None => self.gate_policy.as_deref(),
+            };
             return Err(TooLong {
                 wait: at - now,
-                policy: binding.and_then(|i| self.tracks[i].policy.as_deref()),
+                policy,
             });
         }
         for track in &mut self.tracks {
@@ -81,14 +98,17 @@ impl Server {
     }
 
     /// A response read at `now` (its own request already landed) reported `quotas`, and if it
-    /// was a refusal, the wait `refused_for` (nanoseconds).
-    pub(crate) fn observe(&mut self, now: u64, quotas: &[Quota], refused_for: Option<u64>) {
+    /// was a refusal, its hint.
+    pub(crate) fn observe(&mut self, now: u64, quotas: &[Quota], refused: Option<Refusal<'_>>) {
         self.last_used = now;
-        if let Some(wait) = refused_for {
+        if let Some(refusal) = refused {
             // At most a minute: one answer with a day-long hint cannot cut the server off for a
             // day; a request after the minute asks again.
-            let wait = wait.min(MAX_GATE);
-            self.gate = self.gate.max(now.saturating_add(wait));
+            let until = now.saturating_add(refusal.wait.min(MAX_GATE));
+            if until > self.gate {
+                self.gate = until;
+                self.gate_policy = refusal.policy.map(Box::from);
+            }
         }
         for quota in quotas {
             let index = match self
@@ -127,6 +147,13 @@ impl Server {
                 // nothing left the next one leaves at the reset.
                 track.interval = reset / remaining.saturating_add(1);
                 track.next_at = track.next_at.max(now.saturating_add(track.interval));
+            }
+            if refused.is_some() {
+                // A refusal's quotas hold the server back no longer than its hint may (an
+                // exhausted daily quota's `t` is a refusal's hint too): after the minute, one
+                // request asks again, and its answer says how things stand.
+                track.interval = track.interval.min(MAX_GATE);
+                track.next_at = track.next_at.min(now.saturating_add(MAX_GATE));
             }
         }
     }
@@ -209,14 +236,105 @@ mod tests {
     #[test]
     fn a_refusals_hint_closes_the_gate_for_a_minute_at_most() {
         let mut s = Server::default();
-        s.observe(0, &[], Some(86_400 * S));
+        s.observe(0, &[], Some(refusal(86_400 * S, None)));
         assert!(s.depart(0, u64::MAX).is_ok_and(|at| at == MAX_GATE));
+    }
+
+    fn refusal(wait: u64, policy: Option<&str>) -> Refusal<'_> {
+        Refusal { wait, policy }
+    }
+
+    /// Issue 24, 3: a refusal whose exhausted quota resets in a day closed the gate for a
+    /// minute but set the quota's next departure a day ahead: the server was never asked
+    /// again. Its quotas now hold the server back a minute at most too, and one request a
+    /// minute asks again.
+    #[test]
+    fn a_refusals_quota_holds_the_server_back_a_minute_at_most() {
+        let mut s = Server::default();
+        s.observe(
+            0,
+            &[quota(Some("daily"), 0, 86_400, Some(1000))],
+            Some(refusal(86_400 * S, Some("daily"))),
+        );
+        let e = s.depart(S, 30 * S).unwrap_err();
+        assert_eq!((e.wait, e.policy), (MAX_GATE - S, Some("daily")));
+        assert_eq!(s.depart(S, u64::MAX), Ok(MAX_GATE));
+        s.landed();
+        // A request asked an hour on leaves at once, and the next one a minute after it.
+        assert_eq!(s.depart(3600 * S, 0), Ok(3600 * S));
+        assert_eq!(s.depart(3600 * S, u64::MAX), Ok(3600 * S + MAX_GATE));
+        // The same quota in a 200 is the server's word that nothing is left until the reset.
+        let mut s = Server::default();
+        s.observe(0, &[quota(Some("daily"), 0, 86_400, Some(1000))], None);
+        assert_eq!(s.depart(3600 * S, u64::MAX), Ok(86_400 * S));
+    }
+
+    /// A quota paces nothing from its reset on, the instant of the reset included (mutants:
+    /// `now < reset_at` as `<=`, in both loops of `depart`).
+    #[test]
+    fn a_quota_paces_nothing_from_the_instant_of_its_reset() {
+        let mut s = Server::default();
+        s.observe(0, &[quota(Some("p"), 0, 10, Some(10))], None);
+        // Reserved at the reset; the next one would be an interval later under the old quota.
+        assert_eq!(s.depart(0, u64::MAX), Ok(10 * S));
+        s.landed();
+        assert_eq!(s.depart(10 * S, u64::MAX), Ok(10 * S));
+        s.landed();
+        // A departure at the reset does not reserve under the old quota: the new one's
+        // spacing holds (4 left of 10 over 10 s: 2 s apart), not the old one's 10 s.
+        let mut s = Server::default();
+        s.observe(0, &[quota(Some("p"), 0, 10, Some(10))], None);
+        assert_eq!(s.depart(10 * S, u64::MAX), Ok(10 * S));
+        s.landed();
+        s.observe(10 * S, &[quota(Some("p"), 4, 10, Some(10))], None);
+        assert_eq!(s.depart(10 * S, u64::MAX), Ok(12 * S));
+    }
+
+    /// Of quotas that hold a request back equally, the first reported is named; a quota that
+    /// holds it as long as the gate does not take the gate's name (mutant: `next_at > at` as
+    /// `>=`).
+    #[test]
+    fn ties_name_the_first_that_held_the_request_back() {
+        let mut s = Server::default();
+        s.observe(
+            0,
+            &[
+                quota(Some("a"), 0, 5, Some(10)),
+                quota(Some("b"), 0, 5, Some(10)),
+            ],
+            None,
+        );
+        assert_eq!(s.depart(0, 0).unwrap_err().policy, Some("a"));
+        let mut s = Server::default();
+        s.observe(0, &[], Some(refusal(5 * S, Some("gate"))));
+        s.observe(0, &[quota(Some("quota"), 0, 5, Some(10))], None);
+        assert_eq!(s.depart(0, 0).unwrap_err().policy, Some("gate"));
+    }
+
+    /// The gate names the policy of the refusal that closed it, until it opens.
+    #[test]
+    fn the_gate_names_its_policy() {
+        let mut s = Server::default();
+        s.observe(0, &[], Some(refusal(30 * S, Some("burst"))));
+        let e = s.depart(0, 0).unwrap_err();
+        assert_eq!((e.wait, e.policy), (30 * S, Some("burst")));
+        // A shorter refusal does not move the gate, nor its name; nor does one that ends with
+        // it (mutant: `until > gate` as `>=`).
+        s.observe(0, &[], Some(refusal(10 * S, Some("other"))));
+        assert_eq!(s.depart(0, 0).unwrap_err().policy, Some("burst"));
+        s.observe(0, &[], Some(refusal(30 * S, Some("same"))));
+        assert_eq!(s.depart(0, 0).unwrap_err().policy, Some("burst"));
+        // A longer one does.
+        s.observe(0, &[], Some(refusal(40 * S, None)));
+        assert_eq!(s.depart(0, 0).unwrap_err().policy, None);
+        // An open gate names nothing.
+        assert_eq!(s.depart(40 * S, 0), Ok(40 * S));
     }
 
     #[test]
     fn a_refusal_closes_the_gate_and_long_waits_are_refused() {
         let mut s = Server::default();
-        s.observe(0, &[], Some(30 * S));
+        s.observe(0, &[], Some(refusal(30 * S, None)));
         assert_eq!(
             s.depart(S, 10 * S),
             Err(TooLong {
@@ -228,7 +346,7 @@ mod tests {
         assert_eq!(s.depart(S, 30 * S), Ok(30 * S));
         s.landed();
         // A shorter hint does not open the gate earlier.
-        s.observe(S, &[], Some(S));
+        s.observe(S, &[], Some(refusal(S, None)));
         assert_eq!(s.depart(S, u64::MAX), Ok(30 * S));
         s.landed();
         // The policy that holds a request back is named.

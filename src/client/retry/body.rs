@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Waker, ready};
 
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
@@ -180,15 +180,19 @@ impl<B: Body<Data = Bytes>> Body for ReadAhead<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let this = self.project();
+        let mut this = self.project();
         if let Some(data) = this.data.take() {
             return Poll::Ready(Some(Ok(Frame::data(data))));
         }
         if let Some(error) = this.error.take() {
             return Poll::Ready(Some(Err(error)));
         }
-        if let Some(rest) = this.rest.as_pin_mut() {
-            return rest.poll_frame(cx);
+        if let Some(rest) = this.rest.as_mut().as_pin_mut() {
+            match ready!(rest.poll_frame(cx)) {
+                Some(frame) => return Poll::Ready(Some(frame)),
+                // The rest ended: the trailers read ahead (if any) come last.
+                None => this.rest.set(None),
+            }
         }
         Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))))
     }
@@ -415,6 +419,45 @@ mod tests {
             bytes(replay.body()).await,
             (Bytes::from_static(b"x"), Some(t))
         );
+    }
+
+    /// Issue 24, 4: data, then trailers, then `Pending` (a channel body whose sender is
+    /// alive): the trailers were kept aside and then lost when the rest ended.
+    #[tokio::test]
+    async fn trailers_before_a_pause_are_sent_at_the_end() {
+        /// Data, trailers, then one `Pending` before the end.
+        struct Paused {
+            step: usize,
+        }
+        impl Body for Paused {
+            type Data = Bytes;
+            type Error = Infallible;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+                self.step += 1;
+                match self.step {
+                    1 => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"x"))))),
+                    2 => {
+                        let mut t = HeaderMap::new();
+                        t.insert("x-checksum", "42".parse().unwrap());
+                        Poll::Ready(Some(Ok(Frame::trailers(t))))
+                    }
+                    3 => {
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                    _ => Poll::Ready(None),
+                }
+            }
+        }
+        let (first, replay) =
+            Replay::read_ahead(Paused { step: 0 }.boxed_unsync(), 10, UnsyncBoxBody::new);
+        assert!(replay.is_none(), "not ended when read: sent once");
+        let (data, trailers) = bytes(first).await;
+        assert_eq!(data, "x");
+        assert_eq!(trailers.expect("the trailers")["x-checksum"], "42");
     }
 
     #[tokio::test]

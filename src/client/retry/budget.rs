@@ -7,6 +7,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::policy::RetryConfigError;
+use crate::clock::{Clock, TokioClock};
 
 /// The period is kept as this many slots, each a tenth of it.
 const SLOTS: usize = 10;
@@ -15,7 +16,9 @@ const SLOTS: usize = 10;
 const RETRY_COST: i64 = 100;
 
 /// A retry budget: over any sliding `window`, at most `percent` % of the requests are
-/// retried, plus a floor of `min_per_second` retries for clients that send little.
+/// retried, plus a floor of `min_per_second` retries per second for clients that send little
+/// (over a window, `min_per_second` times its seconds, rounded up to whole retries: at least
+/// one per window, so a window under a second still has its floor).
 ///
 /// Every request deposits into it; every retry withdraws, and a retry the budget cannot pay
 /// is not made (the caller gets the last answer). With 10 % a failing backend sees at most
@@ -27,12 +30,12 @@ const RETRY_COST: i64 = 100;
 /// where that matters.
 ///
 /// This is Finagle's budget, as tower's `TpsBudget` also is; tollgate has its own because it
-/// reads time through the retry policy's clock (tower's reads `tokio::time::Instant` inside),
-/// counts in integers (a percentage, not an `f32` whose reciprocal is truncated), and
-/// validates its settings with an error instead of an assertion.
+/// counts in integers (a percentage, not an `f32` whose reciprocal is truncated) and validates
+/// its settings with an error instead of an assertion. It keeps its own time, on tokio's
+/// clock (which follows tokio's paused time), from the moment it was made.
 ///
 /// Clones share one budget: give the same budget to several policies to bound their retries
-/// together.
+/// together, whenever each policy was built.
 ///
 /// ```
 /// use std::time::Duration;
@@ -57,6 +60,8 @@ struct Shared {
     slot: u64,
     window: Duration,
     min_per_second: u32,
+    /// The budget's own time line: policies built at different times share it.
+    clock: TokioClock,
     state: Mutex<Slots>,
 }
 
@@ -65,7 +70,7 @@ struct Shared {
 struct Slots {
     units: [i64; SLOTS],
     current: usize,
-    /// When the current slot began (ns on the policy's clock).
+    /// When the current slot began (ns on the budget's clock).
     start: u64,
 }
 
@@ -84,8 +89,13 @@ impl RetryBudget {
             return Err(RetryConfigError::BudgetWindow(window));
         }
         let window_ms = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
-        // min_per_second * RETRY_COST per second of the window; RETRY_COST / 1000 = 1 / 10 per ms.
-        let reserve = i64::from(min_per_second).saturating_mul(window_ms) / 10;
+        // min_per_second retries per second of the window, rounded up to whole retries: a
+        // window under a second still holds one, or its floor would be none at all.
+        let floor = i64::from(min_per_second)
+            .saturating_mul(window_ms)
+            .saturating_add(999)
+            / 1000;
+        let reserve = floor.saturating_mul(RETRY_COST);
         Ok(Self {
             shared: Arc::new(Shared {
                 deposit: i64::from(percent),
@@ -93,6 +103,7 @@ impl RetryBudget {
                 slot: u64::try_from(window.as_nanos()).unwrap_or(u64::MAX) / SLOTS as u64,
                 window,
                 min_per_second,
+                clock: TokioClock::new(),
                 state: Mutex::new(Slots {
                     units: [0; SLOTS],
                     current: 0,
@@ -102,8 +113,18 @@ impl RetryBudget {
         })
     }
 
-    /// Records a request made at `now` (nanoseconds on the policy's clock).
-    pub(crate) fn deposit(&self, now: u64) {
+    /// Records a request made now.
+    pub(crate) fn deposit(&self) {
+        self.deposit_at(self.shared.clock.now());
+    }
+
+    /// Pays for one retry now, if the budget allows it.
+    pub(crate) fn withdraw(&self) -> bool {
+        self.withdraw_at(self.shared.clock.now())
+    }
+
+    /// Records a request made at `now` (nanoseconds on the budget's clock).
+    fn deposit_at(&self, now: u64) {
         let mut slots = self.shared.state.lock();
         self.shared.roll(&mut slots, now);
         let current = slots.current;
@@ -111,7 +132,7 @@ impl RetryBudget {
     }
 
     /// Pays for one retry at `now`, if the budget allows it.
-    pub(crate) fn withdraw(&self, now: u64) -> bool {
+    fn withdraw_at(&self, now: u64) -> bool {
         let mut slots = self.shared.state.lock();
         self.shared.roll(&mut slots, now);
         let balance = slots
@@ -170,7 +191,7 @@ mod tests {
 
     fn retries(budget: &RetryBudget, now: u64) -> usize {
         // Bounded, so that a budget that never refuses fails the test instead of hanging it.
-        std::iter::from_fn(|| budget.withdraw(now).then_some(()))
+        std::iter::from_fn(|| budget.withdraw_at(now).then_some(()))
             .take(10_000)
             .count()
     }
@@ -178,31 +199,31 @@ mod tests {
     #[test]
     fn a_tenth_of_the_requests() {
         let budget = RetryBudget::new(10, 0, Duration::from_secs(10)).unwrap();
-        assert!(!budget.withdraw(0), "nothing deposited, no floor");
+        assert!(!budget.withdraw_at(0), "nothing deposited, no floor");
         for _ in 0..95 {
-            budget.deposit(0);
+            budget.deposit_at(0);
         }
         assert_eq!(retries(&budget, 0), 9);
-        budget.deposit(0);
-        budget.deposit(0);
-        budget.deposit(0);
-        budget.deposit(0);
-        budget.deposit(0);
+        budget.deposit_at(0);
+        budget.deposit_at(0);
+        budget.deposit_at(0);
+        budget.deposit_at(0);
+        budget.deposit_at(0);
         assert_eq!(retries(&budget, 5 * MS), 1);
     }
 
     #[test]
     fn deposits_expire_after_the_window() {
         let budget = RetryBudget::new(100, 0, Duration::from_secs(1)).unwrap();
-        budget.deposit(0);
-        budget.deposit(950 * MS);
+        budget.deposit_at(0);
+        budget.deposit_at(950 * MS);
         // At 1 s the first deposit's slot is reused: only the second one is left.
         assert_eq!(retries(&budget, 1000 * MS), 1);
-        budget.deposit(1000 * MS);
+        budget.deposit_at(1000 * MS);
         // Long after, everything has expired (and so has the withdrawal).
         assert_eq!(retries(&budget, 60_000 * MS), 0);
-        budget.deposit(60_000 * MS);
-        budget.deposit(60_099 * MS);
+        budget.deposit_at(60_000 * MS);
+        budget.deposit_at(60_099 * MS);
         assert_eq!(retries(&budget, 60_099 * MS), 2);
         // A slot later: those deposits are spent, and nothing new came in.
         assert_eq!(retries(&budget, 60_100 * MS), 0);
@@ -221,9 +242,45 @@ mod tests {
     #[test]
     fn more_than_one_retry_per_request() {
         let budget = RetryBudget::new(250, 0, Duration::from_secs(1)).unwrap();
-        budget.deposit(0);
-        budget.deposit(0);
+        budget.deposit_at(0);
+        budget.deposit_at(0);
         assert_eq!(retries(&budget, 0), 5);
+    }
+
+    /// Issue 24, 6: `min_per_second` times a window under a second rounded below one
+    /// retry's cost, so such a window had no floor at all.
+    #[test]
+    fn a_window_under_a_second_keeps_its_floor() {
+        let budget = RetryBudget::new(0, 1, Duration::from_millis(500)).unwrap();
+        assert_eq!(retries(&budget, 0), 1);
+        assert_eq!(retries(&budget, 499 * MS), 0);
+        assert_eq!(
+            retries(&budget, 500 * MS),
+            1,
+            "one per 500 ms: at least 1 a second"
+        );
+        let budget = RetryBudget::new(0, 3, Duration::from_millis(100)).unwrap();
+        assert_eq!(retries(&budget, 0), 1);
+        // Whole retries, rounded up: 1 a second over 1.5 s is 2, not 1.5.
+        let budget = RetryBudget::new(0, 1, Duration::from_millis(1500)).unwrap();
+        assert_eq!(retries(&budget, 0), 2);
+        let budget = RetryBudget::new(0, 0, Duration::from_millis(500)).unwrap();
+        assert_eq!(retries(&budget, 0), 0, "no floor asked, none given");
+    }
+
+    /// Issue 24, 2: the budget keeps its own time. Policies built an hour apart share it: each
+    /// read its own clock (zero when it was built), so the later one saw no slot expire.
+    #[tokio::test(start_paused = true)]
+    async fn the_budget_keeps_its_own_time() {
+        let budget = RetryBudget::new(0, 1, Duration::from_secs(1)).unwrap();
+        let clone = budget.clone();
+        assert!(budget.withdraw());
+        assert!(!clone.withdraw());
+        tokio::time::advance(Duration::from_millis(999)).await;
+        assert!(!clone.withdraw());
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(clone.withdraw());
+        budget.deposit();
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! POSTs), and only when the body can be replayed ([`ReplayBody`]).
 //!
 //! **How long to wait.** The server's word first ([`ServerHints`](crate::client::ServerHints)):
-//! `grpc-retry-pushback-ms` (a negative value: do not retry), else `Retry-After` (seconds or an
+//! `grpc-retry-pushback-ms` (a negative or malformed value: do not retry, as gRPC reads it), else `Retry-After` (seconds or an
 //! HTTP date), else the `reset` of a `RateLimit` quota with nothing left. A random offset is
 //! added to a hint, uniform below a tenth of it (at least 100 ms, at most
 //! [`hint_spread`](RetryPolicyBuilder::hint_spread), 1 s), so that the thousands of clients
@@ -28,6 +28,13 @@
 //! one retry per second): the caller then gets the last answer, marked with a [`GaveUp`] in
 //! its extensions, and the [`RetryStats`] count why. The deadline does not cut an attempt
 //! short: for a hard bound on the whole call, put a timeout outside the layer.
+//!
+//! The budget pays for a retry when it is decided, before the wait: a call dropped during the
+//! wait (a timeout outside the layer) has spent a retry it never sent, and it counts in
+//! [`RetryStats::retries`]. This errs the safe way (fewer retries, never more load on the
+//! backend), by at most one retry per call dropped while waiting; paying after the wait
+//! instead would let many waiting calls count on the same balance and all be refused at the
+//! end of their waits, or all go at once.
 //!
 //! **Nested layers.** A service that calls a service that calls a service, each retrying 3
 //! times, makes 27 calls at the bottom for one at the top. Budgets bound each layer to about
@@ -133,7 +140,7 @@ mod budget;
 mod future;
 mod layer;
 mod policy;
-mod random;
+pub(crate) mod random;
 #[cfg(feature = "reqwest")]
 mod reqwest;
 mod service;

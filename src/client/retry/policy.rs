@@ -10,18 +10,13 @@ use http::{HeaderMap, HeaderName, Method, StatusCode};
 
 use super::budget::RetryBudget;
 use super::random::Rng;
-use crate::answer::GRPC_STATUS;
+use crate::client::local::{GRPC_RESOURCE_EXHAUSTED, GRPC_UNAVAILABLE, grpc_status};
 use crate::client::{RetryHint, ServerHints};
 use crate::clock::{Clock, TokioClock};
 use crate::telemetry::Counter;
 
 /// `Idempotency-Key`: a request that carries it may be retried whatever its method.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// gRPC's `RESOURCE_EXHAUSTED`.
-const GRPC_RESOURCE_EXHAUSTED: &[u8] = b"8";
-/// gRPC's `UNAVAILABLE`.
-const GRPC_UNAVAILABLE: &[u8] = b"14";
 
 /// The least spread of the random offset added to a server's hint.
 const MIN_HINT_SPREAD: Duration = Duration::from_millis(100);
@@ -57,7 +52,7 @@ pub enum GiveUp {
     Deadline,
     /// The retry budget was spent.
     Budget,
-    /// The server said not to retry (a negative `grpc-retry-pushback-ms`).
+    /// The server said not to retry (a negative or malformed `grpc-retry-pushback-ms`).
     Stop,
     /// The request cannot be sent again: its method is not idempotent and it has no
     /// `Idempotency-Key`, or its body cannot be replayed.
@@ -215,12 +210,24 @@ struct Counters {
     inner: AtomicU64,
 }
 
+/// The budget a builder will give its policy.
+#[derive(Clone, Debug)]
+enum BudgetChoice {
+    /// A new [`RetryBudget::default`], made by `build()`: each policy its own, even those
+    /// built from clones of one builder.
+    Default,
+    /// This one (shared with whoever else holds it).
+    Given(RetryBudget),
+    /// None.
+    None,
+}
+
 /// Builds a [`RetryPolicy`]; validated by [`RetryPolicyBuilder::build`].
 #[derive(Clone)]
 pub struct RetryPolicyBuilder {
     config: Config,
     idempotent_when: Option<IdempotentWhen>,
-    budget: Option<RetryBudget>,
+    budget: BudgetChoice,
     seed: Option<u64>,
     name: String,
 }
@@ -275,7 +282,7 @@ impl RetryPolicy {
                 replay_limit: 64 * 1024,
             },
             idempotent_when: None,
-            budget: Some(RetryBudget::default()),
+            budget: BudgetChoice::Default,
             seed: None,
             name: DEFAULT_CLIENT_NAME.to_owned(),
         }
@@ -319,7 +326,7 @@ impl RetryPolicy {
         let now = self.shared.clock.now();
         self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
         if let Some(budget) = &self.shared.budget {
-            budget.deposit(now);
+            budget.deposit();
         }
         let replayable = idempotent(method)
             || headers.contains_key(IDEMPOTENCY_KEY)
@@ -341,9 +348,10 @@ impl RetryPolicy {
             429 | 503 => true,
             501 | 505 => false,
             500..=599 => self.shared.config.server_errors,
-            _ => headers.get(GRPC_STATUS).is_some_and(|v| {
-                matches!(v.as_bytes(), GRPC_RESOURCE_EXHAUSTED | GRPC_UNAVAILABLE)
-            }),
+            _ => matches!(
+                grpc_status(headers),
+                Some(GRPC_RESOURCE_EXHAUSTED | GRPC_UNAVAILABLE)
+            ),
         }
     }
 
@@ -401,7 +409,7 @@ impl RetryPolicy {
             return self.give_up(GiveUp::Deadline);
         }
         if let Some(budget) = &self.shared.budget {
-            if !budget.withdraw(now) {
+            if !budget.withdraw() {
                 return self.give_up(GiveUp::Budget);
             }
         }
@@ -540,10 +548,12 @@ impl RetryPolicyBuilder {
         self
     }
 
-    /// The retry budget. Default [`RetryBudget::default`] (10 % of requests, at least one
-    /// retry per second, over 10 seconds).
+    /// The retry budget. Default: a [`RetryBudget::default`] (10 % of requests, at least one
+    /// retry per second, over 10 seconds) of its own, made when the policy is built, so that
+    /// policies built from clones of one builder do not share a budget. A budget given here is
+    /// shared by every policy it is given to.
     pub fn budget(mut self, budget: RetryBudget) -> Self {
-        self.budget = Some(budget);
+        self.budget = BudgetChoice::Given(budget);
         self
     }
 
@@ -551,7 +561,7 @@ impl RetryPolicyBuilder {
     /// without budgets multiply the calls on a failing service (three layers of three
     /// attempts make 27 calls of one).
     pub fn no_budget(mut self) -> Self {
-        self.budget = None;
+        self.budget = BudgetChoice::None;
         self
     }
 
@@ -643,7 +653,11 @@ impl RetryPolicyBuilder {
                 name: self.name.into(),
                 config: self.config,
                 idempotent_when: self.idempotent_when,
-                budget: self.budget,
+                budget: match self.budget {
+                    BudgetChoice::Default => Some(RetryBudget::default()),
+                    BudgetChoice::Given(budget) => Some(budget),
+                    BudgetChoice::None => None,
+                },
                 rng: Rng::new(self.seed.unwrap_or_else(Rng::entropy)),
                 clock: TokioClock::new(),
                 stats: Counters::default(),
@@ -690,12 +704,16 @@ mod tests {
         for s in [499, 501, 505] {
             assert!(!retried(&p5, s), "{s}");
         }
+        // Read as the other client layers read it: trimmed (it was compared byte for byte).
         for (code, yes) in [
             ("8", true),
             ("14", true),
+            (" 14 ", true),
+            ("8 ", true),
             ("0", false),
             ("13", false),
             ("80", false),
+            ("x", false),
         ] {
             let h = headers(&[("grpc-status", code)]);
             assert_eq!(p.retryable(StatusCode::OK, &h), yes, "{code}");
@@ -916,6 +934,72 @@ mod tests {
         assert!(matches!(r(&mut a, &none), Next::Retry(_)));
         assert_eq!(r(&mut a, &none), Next::GiveUp(GiveUp::Budget));
         assert_eq!(p.stats().gave_up_budget, 1);
+    }
+
+    /// Issue 24, 8: `builder()` made the default budget, so policies built from clones of one
+    /// builder shared it (against the advice to give each backend its own).
+    #[tokio::test(start_paused = true)]
+    async fn clones_of_a_builder_build_policies_with_budgets_of_their_own() {
+        let base = RetryPolicy::builder().max_attempts(2);
+        let a = policy(base.clone());
+        let b = policy(base.clone());
+        let none = HeaderMap::new();
+        let retry = |p: &RetryPolicy| {
+            let mut attempts = p.begin(&Method::GET, "/", &none).unwrap();
+            p.after_response(
+                Some(&mut attempts),
+                StatusCode::SERVICE_UNAVAILABLE,
+                &none,
+                false,
+            )
+        };
+        // The default floor: one a second over 10 s, and a tenth of the requests.
+        let spent = (0..100)
+            .take_while(|_| matches!(retry(&a), Next::Retry(_)))
+            .count();
+        assert_eq!(spent, 11);
+        assert_eq!(retry(&a), Next::GiveUp(GiveUp::Budget));
+        assert!(matches!(retry(&b), Next::Retry(_)));
+        // A budget given is shared.
+        let shared = RetryBudget::new(0, 1, Duration::from_secs(1)).unwrap();
+        let base = RetryPolicy::builder().budget(shared);
+        let (c, d) = (policy(base.clone()), policy(base));
+        assert!(matches!(retry(&c), Next::Retry(_)));
+        assert_eq!(retry(&d), Next::GiveUp(GiveUp::Budget));
+    }
+
+    /// Issue 24, 2: a budget shared by policies built an hour apart refills for both (each read
+    /// its own clock, zero when it was built, and the later one saw no slot expire): 0 % and
+    /// one a second over 1 s, one failing request every 2 s, each gets its retry.
+    #[tokio::test(start_paused = true)]
+    async fn a_budget_shared_by_policies_built_apart_refills() {
+        let budget = RetryBudget::new(0, 1, Duration::from_secs(1)).unwrap();
+        let early = policy(RetryPolicy::builder().budget(budget.clone()));
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        let late = policy(RetryPolicy::builder().budget(budget));
+        let none = HeaderMap::new();
+        let retry = |p: &RetryPolicy| {
+            let mut attempts = p.begin(&Method::GET, "/", &none).unwrap();
+            p.after_response(
+                Some(&mut attempts),
+                StatusCode::SERVICE_UNAVAILABLE,
+                &none,
+                false,
+            )
+        };
+        for round in 0..10 {
+            let p = if round % 2 == 0 { &early } else { &late };
+            assert!(matches!(retry(p), Next::Retry(_)), "round {round}");
+            tokio::time::advance(Duration::from_secs(2)).await;
+        }
+    }
+
+    #[test]
+    fn a_policy_is_named() {
+        assert_eq!(RetryPolicy::default().name(), DEFAULT_CLIENT_NAME);
+        let named = policy(RetryPolicy::builder().name("payments"));
+        assert_eq!(named.name(), "payments");
+        assert!(format!("{named:?}").contains("name: \"payments\""));
     }
 
     #[test]

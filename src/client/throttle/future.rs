@@ -24,18 +24,19 @@ pin_project! {
 pin_project! {
     #[project = StateProj]
     enum State<F, B, C> {
-        Called { #[pin] future: F, shared: Arc<Shared<C>>, key: u64 },
+        Called { #[pin] future: F, shared: Arc<Shared<C>>, key: u64, bucket: u64 },
         Refused { response: Option<Response<B>> },
     }
 }
 
 impl<F, B, C> ResponseFuture<F, B, C> {
-    pub(crate) fn called(future: F, shared: Arc<Shared<C>>, key: u64) -> Self {
+    pub(crate) fn called(future: F, shared: Arc<Shared<C>>, key: u64, bucket: u64) -> Self {
         Self {
             state: State::Called {
                 future,
                 shared,
                 key,
+                bucket,
             },
         }
     }
@@ -63,14 +64,16 @@ where
                 future,
                 shared,
                 key,
+                bucket,
             } => {
                 let result = ready!(future.poll(cx));
                 if let Ok(response) = &result {
-                    // A refusal a tollgate layer inside made (a breaker, pacing) says nothing
-                    // about the backend: it does not count against it.
-                    if crate::client::local::made_locally(response)
-                        || !refused_by_server(response.status(), response.headers())
-                    {
+                    if crate::client::local::made_locally(response) {
+                        // A refusal a tollgate layer inside made (an open breaker, pacing)
+                        // never reached the backend: it counts neither for it (as an accept,
+                        // which would lower the refusals during an outage) nor against it.
+                        shared.unsent(*key, *bucket);
+                    } else if !refused_by_server(response.status(), response.headers()) {
                         shared.accepted(*key);
                     }
                 }

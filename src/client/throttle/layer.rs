@@ -16,6 +16,7 @@ use tower_layer::Layer;
 use super::service::AdaptiveThrottle;
 use super::window::{Window, WindowCounts};
 use crate::answer::{DefaultResponder, RejectionKind, Responder};
+use crate::client::retry::random::Rng;
 use crate::clock::{Clock, TokioClock};
 use crate::telemetry::Counter;
 
@@ -292,7 +293,7 @@ impl<C: Clock> AdaptiveThrottleLayerBuilder<C> {
                 width,
                 retry_after: self.retry_after,
                 responder: self.responder,
-                rng: AtomicU64::new(seed),
+                rng: Rng::new(seed),
                 keyed: self
                     .max_backends
                     .map(|_| foldhash::fast::RandomState::default()),
@@ -334,8 +335,8 @@ pub(crate) struct Shared<C> {
     width: u64,
     retry_after: Duration,
     responder: Box<dyn Responder>,
-    /// The state of the draws (SplitMix64: a counter, mixed).
-    rng: AtomicU64,
+    /// The draws (SplitMix64: a counter, mixed).
+    rng: Rng,
     /// Hashes authorities, when keyed by them.
     keyed: Option<foldhash::fast::RandomState>,
     windows: Mutex<Windows>,
@@ -359,29 +360,39 @@ impl<C: Clock> Shared<C> {
         })
     }
 
-    /// A draw uniform over the `u64`s (SplitMix64).
+    /// A draw uniform over the `u64`s (the retry policy's SplitMix64).
     fn draw(&self) -> u64 {
-        const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut z = self
-            .rng
-            .fetch_add(GAMMA, Ordering::Relaxed)
-            .wrapping_add(GAMMA);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.rng.next_u64()
     }
 
-    /// Counts a request to the backend of `key`; true if it is refused here.
-    pub(crate) fn throttle(&self, key: u64) -> bool {
+    /// Counts a request to the backend of `key`: `None` if it is refused here, else the bucket
+    /// it was counted in.
+    pub(crate) fn throttle(&self, key: u64) -> Option<u64> {
         self.requests.fetch_add(1, Ordering::Relaxed);
         let draw = self.draw();
         let now = self.clock.now();
-        let refused = self.with_window(key, |w| w.request(now, draw, self.k_milli));
+        let (refused, bucket) =
+            self.with_window(key, |w| (w.request(now, draw, self.k_milli), w.bucket()));
         if refused {
             self.throttled.fetch_add(1, Ordering::Relaxed);
             self.throttled_metric.increment(1);
+            return None;
         }
-        refused
+        Some(bucket)
+    }
+
+    /// A request to the backend of `key`, counted in `bucket`, was refused by a tollgate layer
+    /// inside (a breaker, pacing): it never reached the backend, and is taken back.
+    pub(crate) fn unsent(&self, key: u64, bucket: u64) {
+        let now = self.clock.now();
+        let mut windows = self.windows.lock();
+        let window = match &mut *windows {
+            Windows::One(w) => Some(w),
+            Windows::Keyed { map, .. } => map.get_mut(&key),
+        };
+        if let Some(window) = window {
+            window.unsent(now, bucket);
+        }
     }
 
     /// The backend of `key` accepted a request.

@@ -11,6 +11,11 @@
 //!   of the inner service. Other statuses (a 404, a 500) are the backend's real answers: it
 //!   took the request.
 //!
+//! A refusal a tollgate layer inside this one made (an open breaker's 503, pacing's 429, marked
+//! [`Refused`](crate::answer::Refused)) never reached the backend: the request is taken back
+//! out of the window, counted neither as an accept (which would bring the refusals down during
+//! an outage, while the breaker is open) nor as a refusal.
+//!
 //! and refuses each new request with probability `max(0, (requests - K * accepts) /
 //! (requests + 1))`, `K` = 2 by default ([`DEFAULT_K`]). While the backend accepts at least one
 //! request in `K`, nothing is refused. When it refuses everything, almost every request is
@@ -29,7 +34,10 @@
 //!
 //! One layer is one backend. With [`per_authority`](AdaptiveThrottleLayerBuilder::per_authority)
 //! a layer keeps one window per authority of the requests' URIs (or `Host` headers), so one
-//! client can call several backends. Draws come from a seeded generator
+//! client can call several backends. Requests with neither (as a layer around a tonic
+//! `Channel` sees them: the channel adds its origin below the layer) share one window, which
+//! is right for a layer around one channel, one backend; a layer shared by several channels
+//! needs them told apart, by giving each its own layer. Draws come from a seeded generator
 //! ([`seed`](AdaptiveThrottleLayerBuilder::seed)) so that tests see the same draws every run.
 //!
 //! In a client's stack it goes outside the retries (`pace -> throttle -> breaker -> retry ->

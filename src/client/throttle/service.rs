@@ -63,13 +63,13 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let key = self.shared.key(&request);
-        if self.shared.throttle(key) {
+        let Some(bucket) = self.shared.throttle(key) else {
             let (parts, _) = request.into_parts();
             return ResponseFuture::refused(self.shared.refuse(&parts).map(ResBody::refusal));
-        }
+        };
         // The ready service goes into the future; a clone stays for the next call.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        ResponseFuture::called(inner.call(request), Arc::clone(&self.shared), key)
+        ResponseFuture::called(inner.call(request), Arc::clone(&self.shared), key, bucket)
     }
 }

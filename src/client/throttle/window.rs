@@ -102,6 +102,24 @@ impl Window {
         scaled < excess
     }
 
+    /// The bucket the latest request was counted in (requests count in the latest bucket).
+    pub(crate) fn bucket(&self) -> u64 {
+        self.head
+    }
+
+    /// A request counted in `bucket` never reached the backend (a layer inside refused it):
+    /// it is taken back, if its bucket is still in the window at `now`.
+    pub(crate) fn unsent(&mut self, now: u64, bucket: u64) {
+        self.advance(now);
+        if bucket <= self.head && self.head - bucket < self.len() {
+            let i = self.index(bucket);
+            if self.slots[i].0 > 0 {
+                self.slots[i].0 -= 1;
+                self.requests -= 1;
+            }
+        }
+    }
+
     /// A request the backend accepted, answered at `now`.
     pub(crate) fn accept(&mut self, now: u64) {
         let i = self.advance(now);
@@ -151,6 +169,36 @@ mod tests {
             }
         );
         assert_eq!(w.counts(5 * S).requests, 0);
+    }
+
+    #[test]
+    fn a_request_not_sent_is_taken_back_while_its_bucket_is_in_the_window() {
+        let mut w = Window::new(3, S);
+        w.request(0, u64::MAX, 2000);
+        let first = w.bucket();
+        assert_eq!(first, 0);
+        w.request(S, u64::MAX, 2000);
+        assert_eq!(w.bucket(), 1);
+        w.unsent(2 * S, first);
+        assert_eq!(w.counts(2 * S).requests, 1);
+        // Never below zero in its bucket.
+        w.unsent(2 * S, first);
+        assert_eq!(w.counts(2 * S).requests, 1);
+        // A bucket that left the window is not touched, though its slot now holds another
+        // bucket's count: bucket 1 left at 4 s, its slot is bucket 4's.
+        w.request(4 * S, u64::MAX, 2000);
+        assert_eq!(w.bucket(), 4);
+        w.unsent(4 * S, 1);
+        assert_eq!(w.counts(4 * S).requests, 1);
+        // A request taken back from the latest bucket, the one it was counted in.
+        w.request(5 * S, u64::MAX, 2000);
+        w.unsent(5 * S, w.bucket());
+        assert_eq!(w.counts(5 * S).requests, 1);
+        // A time gone back counts in the latest bucket, and is taken back from it.
+        w.request(0, u64::MAX, 2000);
+        assert_eq!(w.bucket(), 5);
+        w.unsent(0, 5);
+        assert_eq!(w.counts(5 * S).requests, 1);
     }
 
     #[test]
