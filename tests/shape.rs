@@ -348,6 +348,17 @@ async fn a_cost_above_the_queue_is_refused_not_cut() {
         let refused = service.clone().oneshot(costly("5")).await.unwrap();
         assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
         assert!(refused.headers().get("retry-after").is_none());
+        // Nor does its body tell the client to come back: it never fits.
+        let body = http_body_util::BodyExt::collect(refused.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let body = String::from_utf8_lossy(&body);
+        assert!(body.contains("can never be admitted"), "{body}");
+        assert!(
+            !body.contains("retry-after") && !body.contains("Retry in"),
+            "{body}"
+        );
     }
     assert_eq!(start.elapsed(), Duration::ZERO, "refused at once");
     assert!(seen.lock().unwrap().is_empty(), "none reached the service");

@@ -46,7 +46,8 @@ pub(super) fn problem_response(r: &Rejection<'_>) -> Response<Bytes> {
     match r.kind {
         RejectionKind::Limited => {
             let policy = r.policy.unwrap_or("");
-            let secs = r.retry_after_secs().unwrap_or(0);
+            let wait = r.retry_after_secs();
+            let secs = wait.unwrap_or(0);
             body.push_str("{\"type\":");
             json_string(&mut body, QUOTA_EXCEEDED_TYPE);
             body.push_str(",\"title\":");
@@ -67,12 +68,25 @@ pub(super) fn problem_response(r: &Rejection<'_>) -> Response<Bytes> {
                         HumanDuration(span.window),
                     ),
                 },
+                // No decision and no wait: it can never be admitted (a shaper's cost above its
+                // queue), so there is no time to come back at.
+                (None, _) if wait.is_none() => format!(
+                    "Policy \"{policy}\" refused this request: it can never be admitted, however long it waits."
+                ),
                 _ => format!("Policy \"{policy}\" refused this request. Retry in {secs} s."),
             };
             json_string(&mut body, &detail);
             body.push_str(",\"violated-policies\":[");
             json_string(&mut body, policy);
-            let _ = write!(body, "],\"retry-after\":{secs}}}");
+            match wait {
+                Some(secs) => {
+                    let _ = write!(body, "],\"retry-after\":{secs}}}");
+                }
+                None if r.decision.is_none() => body.push_str("]}"),
+                None => {
+                    let _ = write!(body, "],\"retry-after\":{secs}}}");
+                }
+            }
         }
         RejectionKind::Unavailable => {
             let secs = r.retry_after_secs().unwrap_or(1);
@@ -140,8 +154,12 @@ impl fmt::Display for HumanDuration {
         let nanos = self.0.as_nanos();
         let (unit, scale) = if nanos >= 1_000_000_000 {
             ("s", 1_000_000_000)
-        } else {
+        } else if nanos >= 1_000_000 {
             ("ms", 1_000_000)
+        } else if nanos >= 1_000 {
+            ("µs", 1_000)
+        } else {
+            ("ns", 1)
         };
         let whole = nanos / scale;
         // Three decimals at most, trailing zeros dropped.
@@ -162,9 +180,11 @@ struct HumanRate(Duration);
 impl fmt::Display for HumanRate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let nanos = self.0.as_nanos().max(1);
-        if nanos <= 1_000_000_000 {
-            // The interval is rounded up to whole nanoseconds: round the rate to the nearest.
-            let per_second = (1_000_000_000 + nanos / 2) / nanos;
+        // The interval of n a second is 1 s / n rounded up to whole nanoseconds: a whole rate
+        // a second is one whose interval is that rounding of it; any other is stated by its
+        // interval (`100 per minute` is `1 per 600 ms`, not a rounded `2 per second`).
+        let per_second = (1_000_000_000 + nanos / 2) / nanos;
+        if per_second > 0 && 1_000_000_000_u128.div_ceil(per_second) == nanos {
             write!(f, "{per_second} per second")
         } else {
             write!(f, "1 per {}", HumanDuration(self.0))
@@ -287,4 +307,37 @@ pub(crate) fn is_grpc(parts: &Parts) -> bool {
         .headers
         .get(CONTENT_TYPE)
         .is_some_and(|v| starts_with_ignore_case(v.as_bytes(), b"application/grpc"))
+}
+
+#[cfg(test)]
+mod text_tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_rates_are_stated_exactly() {
+        let d = |nanos: u64| HumanDuration(Duration::from_nanos(nanos)).to_string();
+        assert_eq!(d(3_000_000_000), "3 s");
+        assert_eq!(d(1_500_000_000), "1.5 s");
+        assert_eq!(d(200_000_000), "200 ms");
+        assert_eq!(d(250_000), "250 µs");
+        assert_eq!(d(100), "100 ns");
+        // A policy's interval, as the refusal's text gets it.
+        let r = |rate: crate::Rate| {
+            let policy = crate::Policy::gcra(rate, 1).unwrap();
+            HumanRate(policy.interval()).to_string()
+        };
+        assert_eq!(r(crate::Rate::per_second(10)), "10 per second");
+        assert_eq!(r(crate::Rate::per_second(3)), "3 per second");
+        assert_eq!(
+            r(crate::Rate::per_second(10_000_000)),
+            "10000000 per second"
+        );
+        // Not a whole number a second: stated by the interval.
+        assert_eq!(r(crate::Rate::per_minute(100)), "1 per 600 ms");
+        assert_eq!(
+            r(crate::Rate::new(3, Duration::from_secs(2))),
+            "1 per 666.666 ms"
+        );
+        assert_eq!(r(crate::Rate::per_minute(1)), "1 per 60 s");
+    }
 }
