@@ -553,6 +553,38 @@ async fn a_refusals_daily_quota_holds_the_server_back_a_minute_at_most() {
     assert_eq!(calls.load(Ordering::SeqCst), 3);
 }
 
+/// A refusal that also says "do not retry" (`grpc-retry-pushback-ms` that is negative or
+/// malformed) is still a refusal: its daily quota holds the server back a minute at most (it
+/// was taken as a 200's and closed the server for a day).
+#[tokio::test(start_paused = true)]
+async fn a_refusal_that_says_stop_holds_the_server_back_a_minute_at_most() {
+    let calls = Arc::new(AtomicU64::new(0));
+    let pace = PaceLayer::builder()
+        .max_wait(Duration::from_secs(10))
+        .build();
+    let mut client =
+        ServiceBuilder::new()
+            .layer(pace.clone())
+            .service(server(calls.clone(), |n| match n {
+                0 => response(
+                    429,
+                    &[
+                        ("ratelimit", "\"daily\";r=0;t=86400"),
+                        ("grpc-retry-pushback-ms", "-1"),
+                    ],
+                ),
+                _ => response(200, &[]),
+            }));
+    assert_eq!(
+        call(&mut client, get("http://a.example/")).await.status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    tokio::time::advance(Duration::from_secs(61)).await;
+    let again = call(&mut client, get("http://a.example/")).await;
+    assert_eq!(again.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
 /// Issue 21, 2: a local refusal while a server's refusal holds the gate names the policy the
 /// server's `RateLimit` field found exhausted, as every tollgate refusal names its policy (the
 /// problem body's `violated-policies`, gRPC's `grpc-message`); a refusal that named none

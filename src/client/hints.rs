@@ -182,6 +182,11 @@ type Params = SmallVec<[(String, i64); 4]>;
 
 /// The members of a Structured Fields List, each a String or Token with Integer parameters:
 /// (name, [(parameter, value)]). Members of other shapes are skipped.
+/// The most members of a `RateLimit` or `RateLimit-Policy` list that are read: a server that
+/// sends thousands would otherwise cost a match of each against each (quadratic) on every
+/// response. The rest are ignored.
+const MAX_MEMBERS: usize = 64;
+
 fn sf_members(value: &str) -> Vec<(String, Params)> {
     let Ok(list) = sfv::Parser::new(value).parse::<sfv::List>() else {
         return Vec::new();
@@ -203,6 +208,7 @@ fn sf_members(value: &str) -> Vec<(String, Params)> {
             }
             sfv::ListEntry::InnerList(_) => None,
         })
+        .take(MAX_MEMBERS)
         .collect()
 }
 
@@ -351,6 +357,14 @@ mod tests {
 
     /// Issue 24, 5: the fields are lists, which may come on several lines; only the first
     /// line was read.
+    #[test]
+    fn at_most_sixty_four_members_are_read() {
+        let mut h = HeaderMap::new();
+        let many: Vec<String> = (0..1_000).map(|i| format!("\"p{i}\";r=5;t=9")).collect();
+        h.insert("ratelimit", many.join(", ").parse().unwrap());
+        assert_eq!(ServerHints::read(&h).quotas.len(), MAX_MEMBERS);
+    }
+
     #[test]
     fn list_fields_on_several_lines_are_joined() {
         let h = headers(&[

@@ -327,10 +327,13 @@ impl<C: Clock, Z> Shared<C, Z> {
         // Read before the lock: parsing the fields takes a while.
         let said = response.filter(|r| !made_locally(r)).map(|r| {
             let hints = ServerHints::read(r.headers());
-            let refused_for = match hints.retry() {
-                RetryHint::After(d) if refused_by_server(r.status(), r.headers()) => Some(nanos(d)),
-                _ => None,
-            };
+            // A refusal is a refusal whatever its hint: one that says "do not retry" (or no
+            // usable wait) still caps its quotas' hold at a minute, with no wait of its own.
+            let refused_for =
+                refused_by_server(r.status(), r.headers()).then(|| match hints.retry() {
+                    RetryHint::After(d) => nanos(d),
+                    _ => 0,
+                });
             (hints, refused_for)
         });
         let now = self.clock.now();
