@@ -25,7 +25,8 @@
 //!   to that server leaves before the hint has passed, or a minute, whichever comes first (one
 //!   answer with a day-long hint cannot cut the server off for a day). The quotas a refusal
 //!   reports hold the server back no longer: a 429 with `"daily";r=0;t=86400` lets one request
-//!   a minute ask again. (A `200` with `r=0` is another matter: the request was served, and
+//!   a minute ask again (until an answer says otherwise, the second request leaves at the
+//!   second minute, and a local 429 for it says so: up to 120 s). (A `200` with `r=0` is another matter: the request was served, and
 //!   the server says nothing is left until the reset, so the next one leaves at the reset.)
 //!
 //! A request whose departure is more than [`max_wait`](PaceLayerBuilder::max_wait) away (60 s

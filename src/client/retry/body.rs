@@ -10,6 +10,10 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::{Empty, Full};
 use pin_project_lite::pin_project;
 
+/// The most frames read ahead from a body: one that has more ready is sent once (its frames
+/// still go out, as they come).
+pub(crate) const MAX_READ_AHEAD_FRAMES: usize = 1024;
+
 /// A request body type the retry layer knows how to send again.
 ///
 /// A request is retried only if its body can be replayed; one that cannot is sent once and its
@@ -22,12 +26,12 @@ use pin_project_lite::pin_project;
 /// - **Read it ahead** ([`Replay::read_ahead`]): for streaming bodies that cannot be cloned
 ///   (`tonic::body::Body`, `axum::body::Body`, boxed bodies). Before the first attempt the
 ///   layer takes the frames the body has *ready now*, without waiting, up to the policy's
-///   [`replay_limit`](super::RetryPolicyBuilder::replay_limit) (64 KiB by default). If the
-///   body ended within that, the request is replayable and each attempt sends those bytes.
-///   Otherwise the bytes read are sent first and the rest follows as it comes, and the
-///   request is not retried. A unary gRPC request (one encoded message, ready at once) is
-///   read whole; a stream that waits for its producer is never held back, so a streaming or
-///   bidirectional call goes out as it would without the layer.
+///   [`replay_limit`](super::RetryPolicyBuilder::replay_limit) (64 KiB by default) and 1,024
+///   frames. If the body ended within that, the request is replayable and each attempt sends
+///   those bytes. Otherwise the bytes read are sent first and the rest follows as it comes,
+///   and the request is not retried. A unary gRPC request (one encoded message, ready at
+///   once) is read whole; a stream that waits for its producer is never held back, so a
+///   streaming or bidirectional call goes out as it would without the layer.
 ///
 /// Why not buffer every body? Waiting for a body to end before sending it would hold a
 /// streaming request until its producer finished (forever, for a call that waits for the
@@ -85,7 +89,7 @@ impl<B: Body> Replay<B> {
         let mut cx = Context::from_waker(Waker::noop());
         let mut data = BytesMut::new();
         let mut trailers = None;
-        loop {
+        for _ in 0..MAX_READ_AHEAD_FRAMES {
             let frame = match Pin::new(&mut body).poll_frame(&mut cx) {
                 Poll::Ready(Some(Ok(frame))) => frame,
                 Poll::Ready(Some(Err(error))) => {
@@ -93,7 +97,16 @@ impl<B: Body> Replay<B> {
                     let partial = ReadAhead::new(data.freeze(), trailers, Some(error), None);
                     return (wrap(partial), None);
                 }
-                Poll::Ready(None) => break,
+                Poll::Ready(None) => {
+                    let data = data.freeze();
+                    let first = wrap(ReadAhead::new(data.clone(), trailers.clone(), None, None));
+                    let kind = Kind::Bytes {
+                        data,
+                        trailers,
+                        wrap,
+                    };
+                    return (first, Some(Self { kind }));
+                }
                 Poll::Pending => {
                     let partial = ReadAhead::new(data.freeze(), trailers, None, Some(body));
                     return (wrap(partial), None);
@@ -108,18 +121,13 @@ impl<B: Body> Replay<B> {
                 }
             }
             if data.len() > limit {
-                let partial = ReadAhead::new(data.freeze(), trailers, None, Some(body));
-                return (wrap(partial), None);
+                break;
             }
         }
-        let data = data.freeze();
-        let first = wrap(ReadAhead::new(data.clone(), trailers.clone(), None, None));
-        let kind = Kind::Bytes {
-            data,
-            trailers,
-            wrap,
-        };
-        (first, Some(Self { kind }))
+        // Longer than the limit, or too many frames (a body of empty frames, always ready,
+        // would be read ahead for ever): what was read goes first, the rest as it comes.
+        let partial = ReadAhead::new(data.freeze(), trailers, None, Some(body));
+        (wrap(partial), None)
     }
 
     /// A body for one more attempt.
@@ -145,8 +153,9 @@ impl<B: Body> fmt::Debug for Replay<B> {
 }
 
 pin_project! {
-    /// A body read ahead: the bytes read, then its error or what was left of it (for a body
-    /// that was not ready, or longer than the limit), then its trailers.
+    /// A body read ahead: the bytes read, then its trailers and its error (when it failed), or
+    /// what was left of it (for a body that was not ready, or longer than the limit) and then
+    /// its trailers.
     pub struct ReadAhead<B: Body> {
         data: Option<Bytes>,
         trailers: Option<HeaderMap>,
@@ -185,6 +194,11 @@ impl<B: Body<Data = Bytes>> Body for ReadAhead<B> {
             return Poll::Ready(Some(Ok(Frame::data(data))));
         }
         if let Some(error) = this.error.take() {
+            // Trailers read ahead came before the error (it ended the reading): they go first.
+            if let Some(trailers) = this.trailers.take() {
+                *this.error = Some(error);
+                return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
+            }
             return Poll::Ready(Some(Err(error)));
         }
         if let Some(rest) = this.rest.as_mut().as_pin_mut() {
@@ -479,6 +493,66 @@ mod tests {
         );
         assert!(!first.is_end_stream());
         assert_eq!(first.collect().await.unwrap_err(), "broken");
+    }
+
+    /// Data, trailers, then an error: the replayed frames keep that order (the error used to
+    /// come before the trailers).
+    #[tokio::test]
+    async fn an_error_after_the_trailers_comes_after_them() {
+        let mut t = HeaderMap::new();
+        t.insert("x-checksum", "42".parse().unwrap());
+        let body = Frames(vec![
+            Ok(Frame::data(Bytes::from_static(b"a"))),
+            Ok(Frame::trailers(t)),
+            Err("broken"),
+        ]);
+        let (mut first, replay) = Replay::read_ahead(body.boxed_unsync(), 10, UnsyncBoxBody::new);
+        assert!(replay.is_none());
+        let mut frames = Vec::new();
+        while let Some(frame) = first.frame().await {
+            frames.push(match frame {
+                Ok(f) if f.is_data() => "data",
+                Ok(f) if f.is_trailers() => "trailers",
+                Ok(_) => "other",
+                Err(_) => "error",
+            });
+        }
+        assert_eq!(frames, ["data", "trailers", "error"]);
+    }
+
+    /// A body of empty frames, always ready: reading ahead stops after so many frames (it used
+    /// to spin for ever), and the body is sent once, every frame of it.
+    #[tokio::test]
+    async fn a_body_of_endless_empty_frames_is_not_read_ahead_for_ever() {
+        struct Empties(usize);
+        impl Body for Empties {
+            type Data = Bytes;
+            type Error = Infallible;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                _: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+                if self.0 == 0 {
+                    return Poll::Ready(None);
+                }
+                self.0 -= 1;
+                Poll::Ready(Some(Ok(Frame::data(Bytes::new()))))
+            }
+        }
+        let (first, replay) = Replay::read_ahead(
+            Empties(MAX_READ_AHEAD_FRAMES + 1).boxed_unsync(),
+            10,
+            UnsyncBoxBody::new,
+        );
+        assert!(replay.is_none(), "too many frames to hold: sent once");
+        assert_eq!(bytes(first).await.0, "");
+        // Within the bound it is replayable.
+        let (_, replay) = Replay::read_ahead(
+            Empties(MAX_READ_AHEAD_FRAMES - 1).boxed_unsync(),
+            10,
+            UnsyncBoxBody::new,
+        );
+        assert!(replay.is_some());
     }
 
     #[tokio::test]

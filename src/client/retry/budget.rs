@@ -18,7 +18,10 @@ const RETRY_COST: i64 = 100;
 /// A retry budget: over any sliding `window`, at most `percent` % of the requests are
 /// retried, plus a floor of `min_per_second` retries per second for clients that send little
 /// (over a window, `min_per_second` times its seconds, rounded up to whole retries: at least
-/// one per window, so a window under a second still has its floor).
+/// one per window, so a window under a second still has its floor). The rounding gives a
+/// short window more than its rate: a 100 ms window with a floor of 1 per second allows one
+/// retry per 100 ms, ten a second, to a client that sends little. Keep the window at a second
+/// or more where the floor's rate matters.
 ///
 /// Every request deposits into it; every retry withdraws, and a retry the budget cannot pay
 /// is not made (the caller gets the last answer). With 10 % a failing backend sees at most

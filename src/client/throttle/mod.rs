@@ -11,17 +11,17 @@
 //!   of the inner service. Other statuses (a 404, a 500) are the backend's real answers: it
 //!   took the request.
 //!
-//! A refusal a tollgate layer inside this one made (an open breaker's 503, pacing's 429, marked
-//! [`Refused`](crate::answer::Refused)) never reached the backend: the request is taken back
-//! out of the window, counted neither as an accept (which would bring the refusals down during
-//! an outage, while the breaker is open) nor as a refusal.
-//!
 //! and refuses each new request with probability `max(0, (requests - K * accepts) /
 //! (requests + 1))`, `K` = 2 by default ([`DEFAULT_K`]). While the backend accepts at least one
 //! request in `K`, nothing is refused. When it refuses everything, almost every request is
 //! refused here, at no cost to the backend, and a few still go through: when the backend
 //! recovers, their accepts bring the probability down, and as the refusals of the outage leave
 //! the window (at most its two minutes later) it reaches zero.
+//!
+//! A refusal a tollgate layer inside this one made (an open breaker's 503, pacing's 429, marked
+//! [`Refused`](crate::answer::Refused)) never reached the backend: the request is taken back
+//! out of the window, counted neither as an accept (which would bring the refusals down during
+//! an outage, while the breaker is open) nor as a refusal.
 //!
 //! A local refusal looks like the server's own: `503 Service Unavailable`
 //! ([`RejectionKind::Overloaded`](crate::answer::RejectionKind::Overloaded)) with

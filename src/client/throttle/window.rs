@@ -20,7 +20,7 @@ pub(crate) struct Window {
 pub struct WindowCounts {
     /// Requests the layer was asked to send in the window (those it refused itself included).
     pub requests: u64,
-    /// Of those, the ones the backend accepted.
+    /// Of those, the ones the backend accepted (never more than `requests`).
     pub accepts: u64,
 }
 
@@ -83,7 +83,9 @@ impl Window {
         self.advance(now);
         WindowCounts {
             requests: self.requests,
-            accepts: self.accepts,
+            // An accept counts in the bucket of its answer, its request in an earlier one
+            // that may have left the window (or been taken back): never more than requests.
+            accepts: self.accepts.min(self.requests),
         }
     }
 
@@ -124,7 +126,8 @@ impl Window {
     pub(crate) fn accept(&mut self, now: u64) {
         let i = self.advance(now);
         // An accept answered in a later bucket than its request: the request may have left
-        // the window already. Accepts never exceed requests, so the formula stays in bounds.
+        // the window already. Accepts are counted only while below requests (they can still
+        // pass them as buckets leave: `counts` and the draw bound them).
         if self.accepts < self.requests {
             self.slots[i].1 += 1;
             self.accepts += 1;
@@ -142,6 +145,42 @@ mod tests {
     use super::*;
 
     const S: u64 = 1_000_000_000;
+
+    /// A request whose bucket left the window while its accept stays (answered a bucket
+    /// later): the counts show no more accepts than requests (they showed 1 of 0).
+    #[test]
+    fn accepts_never_show_above_requests() {
+        let mut w = Window::new(3, S);
+        w.request(0, u64::MAX, 2000);
+        w.accept(2 * S);
+        assert_eq!(
+            w.counts(2 * S),
+            WindowCounts {
+                requests: 1,
+                accepts: 1
+            }
+        );
+        assert_eq!(
+            w.counts(3 * S),
+            WindowCounts {
+                requests: 0,
+                accepts: 0
+            }
+        );
+        // A request taken back after the one accepted left: 1 accept, 0 requests underneath.
+        let mut w = Window::new(3, S);
+        w.request(0, u64::MAX, 2000);
+        w.request(2 * S, u64::MAX, 2000);
+        w.accept(2 * S);
+        w.unsent(3 * S, 2);
+        assert_eq!(
+            w.counts(3 * S),
+            WindowCounts {
+                requests: 0,
+                accepts: 0
+            }
+        );
+    }
 
     #[test]
     fn buckets_leave_the_window_whole() {
