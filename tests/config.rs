@@ -505,6 +505,7 @@ prefix = "rl:"
 pool_size = 8
 timeout = "40ms"
 deny_cache = 5000
+max_cross_slot_calls = 64
 on_failure = "local"
 instances = 3
 breaker = { failures = 4, open_for = "1s500ms" }
@@ -1183,6 +1184,7 @@ fn every_section_reports_its_paths() {
         url = "redis://x"
         max_keys = 5
         pool_size = 1000
+        max_cross_slot_calls = 0
         timeout = "0s"
         instances = 3
         breaker = { failures = 0, open_for = "0s" }
@@ -1200,6 +1202,7 @@ fn every_section_reports_its_paths() {
             "store.cluster[1]",
             "store.timeout",
             "store.pool_size",
+            "store.max_cross_slot_calls",
             "store.instances",
             "store.breaker.failures",
             "store.breaker.open_for",

@@ -49,6 +49,7 @@
 //! instances = 4                     # "local" divides each limit among this many instances
 //! breaker = { failures = 5, open_for = "2s" }      # stop waiting on a dead Redis
 //! deny_cache = 10000                # refused keys answered in process until their reset (0: off)
+//! max_cross_slot_calls = 4096       # Cluster: stacks across masters in flight at once, past it refused
 //! max_key_len = 256                 # longer keys are hashed (both kinds)
 //! # max_keys = 100000               # kind = "memory" only: the (key, policy) pairs kept
 //! # shards = 64                     # kind = "memory" only: a power of two

@@ -83,6 +83,10 @@ pub struct StoreConfig {
     /// Redis: the most a decision may take; slower is a failure.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeout: Option<HumanDuration>,
+    /// Redis Cluster: the most calls across slots (stacked limits whose keys live on several
+    /// masters) in flight at once; past it such a call fails at once, consuming nothing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_cross_slot_calls: Option<usize>,
     /// Redis: refused keys remembered in process (0 turns the deny cache off).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub deny_cache: Option<usize>,

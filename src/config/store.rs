@@ -142,6 +142,9 @@ async fn redis(config: &Config) -> Result<ConfiguredStore, ConfigErrors> {
     if let Some(n) = s.deny_cache {
         b = b.deny_cache(n);
     }
+    if let Some(n) = s.max_cross_slot_calls {
+        b = b.max_cross_slot_calls(n);
+    }
     if let Some(n) = s.max_key_len {
         b = b.max_key_len(n);
     }

@@ -29,6 +29,7 @@ impl<'a> Builder<'a> {
             ("pool_size", s.pool_size.is_some()),
             ("timeout", s.timeout.is_some()),
             ("deny_cache", s.deny_cache.is_some()),
+            ("max_cross_slot_calls", s.max_cross_slot_calls.is_some()),
             ("on_failure", s.on_failure.is_some()),
             ("instances", s.instances.is_some()),
             ("breaker", s.breaker.is_some()),
@@ -78,6 +79,9 @@ impl<'a> Builder<'a> {
             }
             if let Some(n) = s.pool_size.filter(|n| !(1..=256).contains(n)) {
                 p.add("store.pool_size", format!("{n}: give 1 to 256"));
+            }
+            if s.max_cross_slot_calls == Some(0) {
+                p.add("store.max_cross_slot_calls", "must be at least 1");
             }
             if s.instances == Some(0) {
                 p.add("store.instances", "must be at least 1");
