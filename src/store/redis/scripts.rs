@@ -190,11 +190,13 @@ pub(super) async fn eval<R: fred::types::FromValue>(
         Backend::One(pool) => return eval_on(pool, lua, build).await,
         Backend::Cluster(masters) => masters,
     };
-    let slot = build().0.first().map_or(0, Key::cluster_hash);
+    // Built once for the slot and the call; again only for a redirection or NOSCRIPT.
+    let built = build();
+    let slot = built.0.first().map_or(0, Key::cluster_hash);
     let pool = masters
         .pool_for(slot)
         .map_or_else(|| masters.seed(), |(_, pool)| pool);
-    match eval_on::<R, _>(&pool, lua, &build).await {
+    match eval_built::<R, _>(&pool, lua, built, &build).await {
         Err(e) if e.is_cluster() => {
             masters.refresh_soon();
             match cluster::moved_to(&e) {
@@ -220,7 +222,17 @@ pub(super) async fn eval_on<R: fred::types::FromValue, C: LuaInterface + Sync>(
     lua: &Lua,
     build: impl Fn() -> (Vec<Key>, Vec<Value>),
 ) -> Result<R, FredError> {
-    let (keys, args) = build();
+    eval_built(pool, lua, build(), build).await
+}
+
+/// [`eval_on`] with its keys and arguments built already (`build` makes them again if the
+/// script must be sent whole).
+async fn eval_built<R: fred::types::FromValue, C: LuaInterface + Sync>(
+    pool: &C,
+    lua: &Lua,
+    (keys, args): (Vec<Key>, Vec<Value>),
+    build: impl Fn() -> (Vec<Key>, Vec<Value>),
+) -> Result<R, FredError> {
     match pool
         .evalsha::<R, _, _, _>(
             lua.sha.as_str(),
