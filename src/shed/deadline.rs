@@ -59,7 +59,8 @@ pub(super) fn parse_timeout(value: &[u8]) -> Option<Duration> {
 /// Slots are claimed once and never given back, which is what bounds the table: templates are
 /// the application's, not the clients'.
 pub(super) struct Typical {
-    /// Each slot's route: its template's hash (0: free).
+    /// Each slot's route: its template's hash (0: free). Only axum names routes.
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
     routes: [AtomicU64; ROUTES],
     /// Each slot's average; the last one is the shared average.
     averages: [AtomicU64; ROUTES + 1],
@@ -94,6 +95,7 @@ impl Typical {
 
     /// The slot of the route whose template hashes to `hash`, claimed if it has none and one
     /// is free (open addressing, probing from `hash`); the shared one when all are taken.
+    #[cfg_attr(not(feature = "axum"), allow(dead_code))]
     pub(super) fn slot(&self, hash: u64) -> Route {
         let hash = hash.max(1);
         let start = (hash % ROUTES as u64) as usize;
