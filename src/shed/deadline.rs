@@ -66,13 +66,21 @@ pub(super) struct Typical {
     averages: [AtomicU64; ROUTES + 1],
 }
 
-/// Which of [`Typical`]'s averages a request's answer belongs to.
+/// Which of [`Typical`]'s averages a request's answer belongs to (a byte, so that it fits
+/// in the padding of the guard that carries it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Route(usize);
+pub(super) struct Route(u8);
+
+// Every slot, and the shared one after them, is numbered by a byte.
+const _: () = assert!(ROUTES < u8::MAX as usize);
 
 impl Route {
     /// The average shared by every request without a slot of its own.
-    pub(super) const SHARED: Route = Route(ROUTES);
+    pub(super) const SHARED: Route = Route(ROUTES as u8);
+
+    fn index(self) -> usize {
+        usize::from(self.0)
+    }
 }
 
 impl Typical {
@@ -110,7 +118,7 @@ impl Typical {
                 other => other,
             };
             if found == hash {
-                return Route(index);
+                return Route(index as u8);
             }
         }
         Route::SHARED
@@ -118,18 +126,22 @@ impl Typical {
 
     /// The typical answer time of `route`, in nanoseconds (0 before its first answer).
     pub(super) fn get(&self, route: Route) -> u64 {
-        self.averages[route.0].load(Ordering::Relaxed)
+        self.averages[route.index()].load(Ordering::Relaxed)
     }
 
     /// An answer of `route` took `nanos`.
     pub(super) fn record(&self, route: Route, nanos: u64) {
-        let _ = self.averages[route.0].fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
-            Some(if avg == 0 {
-                nanos
-            } else {
-                avg - avg / 8 + nanos / 8
-            })
-        });
+        let _ = self.averages[route.index()].fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |avg| {
+                Some(if avg == 0 {
+                    nanos
+                } else {
+                    avg - avg / 8 + nanos / 8
+                })
+            },
+        );
     }
 }
 
@@ -166,7 +178,7 @@ mod tests {
         // Every hash a multiple of ROUTES: all start from slot 0, so each probes further.
         let hash = |i: u64| (i + 1) * ROUTES as u64;
         let slots: Vec<Route> = (0..ROUTES as u64).map(|i| typical.slot(hash(i))).collect();
-        assert_eq!(slots, (0..ROUTES).map(Route).collect::<Vec<_>>());
+        assert_eq!(slots, (0..ROUTES as u8).map(Route).collect::<Vec<_>>());
         for (i, slot) in slots.iter().enumerate() {
             assert_eq!(typical.slot(hash(i as u64)), *slot);
         }
