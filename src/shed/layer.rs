@@ -10,6 +10,7 @@ use http::request::Parts;
 use tower_layer::Layer;
 
 use super::classify::{Classifier, Criticality};
+use super::deadline::Typical;
 use super::limit::{Limit, LimitKind};
 use super::queue::{DEFAULT_CODEL_INTERVAL, DEFAULT_CODEL_TARGET, Discipline, Queue};
 use super::service::LoadShed;
@@ -299,11 +300,17 @@ impl LoadShedLayerBuilder {
     }
 
     /// Honours a timeout the client declares in header `name`: such a request waits in the
-    /// queue at most that timeout less the time the service typically takes to answer (a
-    /// moving average of its recent answers), so that it is not served after its client gave
-    /// up; one whose timeout leaves no time to wait is shed at once when it finds no room.
-    /// The timeout bounds the wait only: a request that finds room is admitted whatever it
-    /// declares.
+    /// queue at most that timeout less the time the service typically takes to answer on its
+    /// route (a moving average of that route's recent answers, each weighing an eighth), so
+    /// that it is not served after its client gave up; one whose timeout leaves no time to
+    /// wait is shed at once when it finds no room. The timeout bounds the wait only: a request
+    /// that finds room is admitted whatever it declares.
+    ///
+    /// A route is an axum route template (`MatchedPath`), which exists only once the router
+    /// has matched the request: put the layer inside the router (`Router::layer`) for an
+    /// average per route. The first 64 templates get one each; requests without a template
+    /// (a layer around the whole router, a service that is not axum's) and those of further
+    /// templates share one average.
     ///
     /// Two forms are read: gRPC's `grpc-timeout` (1 to 8 digits and a unit: `H`, `M`, `S`,
     /// `m` for milliseconds, `u`, `n`; `250m`), and plain milliseconds (1 to 8 digits: `250`,
@@ -390,7 +397,7 @@ impl LoadShedLayerBuilder {
                 responder: self.responder,
                 clock: self.clock,
                 queue,
-                typical: AtomicU64::new(0),
+                typical: Typical::new(),
             }),
         })
     }

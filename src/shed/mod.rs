@@ -45,7 +45,9 @@
 //!   capacity signal of its own.
 //! - **Deadlines** ([`LoadShedLayerBuilder::deadline_header`]): a client's declared timeout
 //!   (`grpc-timeout`, or plain milliseconds) bounds its wait, less the time the service takes
-//!   to answer; a malformed value is ignored.
+//!   to answer on the request's route (a moving average per axum route template, when the
+//!   layer is inside the router: a slow route's time is not taken from a fast route's
+//!   deadline; one average for every route otherwise); a malformed value is ignored.
 //!
 //! Put it outermost: shedding is the cheapest "no", and it protects the rate limiter's store
 //! too.

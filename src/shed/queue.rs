@@ -20,7 +20,7 @@ use http::request::Parts;
 use tokio::sync::oneshot;
 
 use super::classify::Criticality;
-use super::deadline::parse_timeout;
+use super::deadline::{Route, parse_timeout};
 use super::layer::{NoPlace, Place, Reason, Shared, Shed};
 use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::Key;
@@ -300,7 +300,8 @@ impl Shared {
         tenant: Option<(u64, Key)>,
     ) -> Result<Admitted, Shed> {
         let shed = |reason| Shed { class, reason };
-        let budget = self.budget(queue, parts);
+        let route = self.route(parts);
+        let budget = self.budget(queue, parts, route);
         let mut state = queue.state.lock();
         let now = self.clock.now();
         self.look(queue, &mut state, now);
@@ -320,7 +321,7 @@ impl Shared {
         match taken {
             Ok(in_flight) => {
                 drop(state);
-                let guard = self.guard(class, Place::new(self, tenant), in_flight);
+                let guard = self.guard(class, Place::new(self, tenant), in_flight, route);
                 return Ok(Admitted::Now(Held::Shed(guard)));
             }
             Err(NoPlace::Unfair) => {
@@ -374,15 +375,16 @@ impl Shared {
         Ok(Admitted::Later(Box::pin(wait(
             ticket,
             class,
+            route,
             now,
             now.saturating_add(budget),
         ))))
     }
 
-    /// How long a request may wait, in nanoseconds: the queue's longest wait, or less when its
-    /// client declared a timeout (less the time the service takes to answer, so that it is not
-    /// served after its client gave up).
-    fn budget(&self, queue: &Queue, parts: &Parts) -> u64 {
+    /// How long a request to `route` may wait, in nanoseconds: the queue's longest wait, or
+    /// less when its client declared a timeout (less the time the service takes to answer on
+    /// that route, so that it is not served after its client gave up).
+    fn budget(&self, queue: &Queue, parts: &Parts, route: Route) -> u64 {
         let declared = queue
             .deadline
             .as_ref()
@@ -391,7 +393,7 @@ impl Shared {
         match declared {
             Some(declared) => queue
                 .max_wait
-                .min(nanos(declared).saturating_sub(self.typical.load(Ordering::Relaxed))),
+                .min(nanos(declared).saturating_sub(self.typical.get(route))),
             None => queue.max_wait,
         }
     }
@@ -489,6 +491,7 @@ impl Shared {
 async fn wait(
     mut ticket: Ticket,
     class: Criticality,
+    route: Route,
     since: u64,
     deadline: u64,
 ) -> Result<Held, Refuse> {
@@ -533,7 +536,7 @@ async fn wait(
             Some(Ok(Outcome::Admitted { place, in_flight })) => {
                 ticket.queued = false;
                 record_wait(shared.clock.now());
-                return Ok(Held::Shed(shared.guard(class, place, in_flight)));
+                return Ok(Held::Shed(shared.guard(class, place, in_flight, route)));
             }
             // Shed as the queue turned standing (or the queue let go of it: cannot happen).
             Some(_) => {

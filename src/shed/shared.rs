@@ -10,6 +10,7 @@ use http::request::Parts;
 use http::{Response, StatusCode};
 
 use super::classify::{Classifier, Criticality};
+use super::deadline::{Route, Typical};
 use super::limit::{Controller, Sample};
 use super::queue::Queue;
 use super::telemetry::{Reason, Shed, Telemetry};
@@ -46,9 +47,9 @@ pub(crate) struct Shared {
     pub(super) responder: Box<dyn Responder>,
     pub(super) clock: Arc<dyn Clock>,
     pub(super) queue: Option<Queue>,
-    /// A moving average of the time the service takes to answer, in nanoseconds (each answer
-    /// weighs an eighth; 0 before the first): what a client's deadline must leave for it.
-    pub(super) typical: AtomicU64,
+    /// The time the service takes to answer, per route: what a client's deadline must leave
+    /// for it.
+    pub(super) typical: Typical,
 }
 
 pub(super) struct Fair {
@@ -104,6 +105,8 @@ pub(crate) struct Guard {
     started: u64,
     /// Requests in flight when it was admitted, itself included.
     in_flight: u32,
+    /// Its route, whose typical answer time its own teaches.
+    route: Route,
     answered: bool,
 }
 
@@ -118,15 +121,7 @@ impl Guard {
             let nanos = self.sample(failed, false);
             let shared = &self.place.shared;
             if shared.queue.as_ref().is_some_and(Queue::has_deadlines) {
-                let _ = shared
-                    .typical
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
-                        Some(if avg == 0 {
-                            nanos
-                        } else {
-                            avg - avg / 8 + nanos / 8
-                        })
-                    });
+                shared.typical.record(self.route, nanos);
             }
         }
     }
@@ -211,7 +206,8 @@ impl Shared {
         }
         match self.take(class, tenant.as_ref(), None) {
             Ok(in_flight) => {
-                let guard = self.guard(class, Place::new(self, tenant), in_flight);
+                let place = Place::new(self, tenant);
+                let guard = self.guard(class, place, in_flight, self.route(parts));
                 Ok(Admitted::Now(Held::Shed(guard)))
             }
             Err(NoPlace::Full | NoPlace::Moved) => match queue {
@@ -307,14 +303,30 @@ impl Shared {
         }
     }
 
-    /// The guard of a request of `class` admitted with `place`, `in_flight` with it.
-    pub(super) fn guard(&self, class: Criticality, place: Place, in_flight: u32) -> Guard {
+    /// The guard of a request of `class` to `route` admitted with `place`, `in_flight` with it.
+    pub(super) fn guard(
+        &self,
+        class: Criticality,
+        place: Place,
+        in_flight: u32,
+        route: Route,
+    ) -> Guard {
         self.admitted[class.index()].fetch_add(1, Ordering::Relaxed);
         Guard {
             place,
             started: self.clock.now(),
             in_flight,
+            route,
             answered: false,
+        }
+    }
+
+    /// The route whose answer times a request's deadline must leave for: only needed (and
+    /// only looked up) when clients declare deadlines.
+    pub(super) fn route(&self, parts: &Parts) -> Route {
+        match &self.queue {
+            Some(queue) if queue.has_deadlines() => self.typical.route(&self.hasher, parts),
+            _ => Route::SHARED,
         }
     }
 
