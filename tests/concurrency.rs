@@ -16,6 +16,7 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use tollgate::ConcurrencyLimitLayer;
+use tollgate::clock::TokioClock;
 use tollgate::concurrency::ConcurrencyError;
 use tollgate::key::{Global, Header};
 use tollgate::limiter::{MissingKey, Rule};
@@ -488,7 +489,8 @@ fn queued(max: u32, total: Option<u32>, max_waiting: usize) -> ConcurrencyLimitL
             Rule::new("per-user").key(Header::from_static("x-user")),
             max,
         )
-        .queue(max_waiting, Duration::from_millis(100));
+        .queue(max_waiting, Duration::from_millis(100))
+        .clock(TokioClock::new());
     if let Some(total) = total {
         builder = builder.total(total);
     }
@@ -741,6 +743,7 @@ async fn one_key_cannot_fill_the_queue_when_the_total_cap_refuses() {
         .rule(Rule::new("per-user").key(Header::from_static("x-user")), 1)
         .total(2)
         .queue(4, Duration::from_secs(5))
+        .clock(TokioClock::new())
         .build()
         .unwrap();
     let service = limits.layer(tower::service_fn(|_: Request<String>| async {
@@ -791,4 +794,329 @@ async fn queue_settings_agree_with_the_shedder() {
     assert_eq!(limits.queued(), 1, "still waiting after an hour");
     drop(held);
     assert_eq!(waiting.await.unwrap().unwrap().status(), StatusCode::OK);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fairness of the queue: scenarios under paused time, exact.
+
+/// A service whose requests hold their place for a given time: the handler waits it out, then
+/// answers with a body that the caller drops at once.
+fn timed_service(
+    limits: &ConcurrencyLimitLayer,
+    hold: impl Fn(&str) -> Duration + Clone + Send + Sync + 'static,
+) -> tower::util::BoxCloneService<
+    Request<String>,
+    Response<tollgate::concurrency::PermitBody<TestBody>>,
+    Infallible,
+> {
+    tower::util::BoxCloneService::new(limits.layer(tower::service_fn(
+        move |request: Request<String>| {
+            let user = request.headers()["x-user"].to_str().unwrap().to_owned();
+            let hold = hold(&user);
+            async move {
+                tokio::time::sleep(hold).await;
+                Ok::<_, Infallible>(Response::new(frames(1)))
+            }
+        },
+    )))
+}
+
+/// A layer with a total cap, a per-key limit that does not bind before it, and a fair queue.
+fn capped(total: u32, max_waiting: usize, max_wait: Duration) -> ConcurrencyLimitLayer {
+    ConcurrencyLimitLayer::builder()
+        .rule(
+            Rule::new("per-user").key(Header::from_static("x-user")),
+            total,
+        )
+        .total(total)
+        .queue(max_waiting, max_wait)
+        .clock(TokioClock::new())
+        .build()
+        .unwrap()
+}
+
+/// A small deterministic generator (xorshift), for holding times that do not all end at once.
+struct Jitter(u64);
+
+impl Jitter {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Four small keys each send one request at a time (30 ms apart) beside a large key `a` that
+/// keeps the total cap full; returns the small keys' mean wait (time to their answer less the
+/// time their request holds its place) and how many of them were refused. `a_workers` is how
+/// many requests `a` keeps outstanding: 10 fill the cap only, 40 fill the queue as well.
+async fn small_keys_wait(a_workers: usize) -> (Duration, usize) {
+    let limits = capped(10, 20, Duration::from_secs(5));
+    let hold = |user: &str| {
+        // 80 to 120 ms, a different time for each request of the key.
+        let seed = user.bytes().fold(0x9e37_79b9_7f4a_7c15_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let mut jitter = Jitter(seed ^ n.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1);
+        Duration::from_millis(80 + jitter.next() % 41)
+    };
+    static COUNTER: AtomicU64 = AtomicU64::new(1);
+    COUNTER.store(1, Ordering::Relaxed);
+    let service = timed_service(&limits, hold);
+    let end = tokio::time::Instant::now() + Duration::from_secs(20);
+    for worker in 0..a_workers {
+        let service = service.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_micros(worker as u64)).await;
+            while tokio::time::Instant::now() < end {
+                let answer = service.clone().oneshot(request("a", "/")).await.unwrap();
+                if answer.status() != StatusCode::OK {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        });
+    }
+    let small: Vec<_> = ["b", "c", "d", "e"]
+        .into_iter()
+        .map(|user| {
+            let service = service.clone();
+            tokio::spawn(async move {
+                let (mut waited, mut served, mut refused) = (Duration::ZERO, 0u32, 0usize);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                while tokio::time::Instant::now() < end {
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    let start = tokio::time::Instant::now();
+                    let answer = service.clone().oneshot(request(user, "/")).await.unwrap();
+                    if answer.status() == StatusCode::OK {
+                        // Its holding time is 80 to 120 ms: the wait is what passed before the
+                        // handler started, which the test cannot see; count whole latency.
+                        waited += start.elapsed();
+                        served += 1;
+                    } else {
+                        refused += 1;
+                    }
+                }
+                (waited, served, refused)
+            })
+        })
+        .collect();
+    let (mut waited, mut served, mut refused) = (Duration::ZERO, 0, 0);
+    for key in small {
+        let (w, s, r) = key.await.unwrap();
+        waited += w;
+        served += s;
+        refused += r;
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(limits.total_in_flight(), 0);
+    (waited / served.max(1), refused)
+}
+
+/// A key that fills the queue (40 requests outstanding under a cap of 10 and a queue of 20)
+/// does not change how long the other keys wait, within 10 %, against the same key keeping
+/// only the cap full; none of them is refused. Before the fair queue, the large key's
+/// requests took each place given back first (a newcomer of the key it came from took it
+/// before the woken waiters ran) and filled the queue: the small keys waited out the queue's
+/// longest wait and were refused.
+#[tokio::test(start_paused = true)]
+async fn a_key_that_fills_the_queue_does_not_slow_the_others() {
+    let (alone, refused_alone) = small_keys_wait(10).await;
+    let (flooded, refused_flooded) = small_keys_wait(40).await;
+    println!(
+        "small keys' mean latency: {alone:?} beside a key at the cap, {flooded:?} beside one filling the queue"
+    );
+    assert_eq!((refused_alone, refused_flooded), (0, 0));
+    let (lo, hi) = (alone.mul_f64(0.9), alone.mul_f64(1.1));
+    assert!(
+        (lo..=hi).contains(&flooded),
+        "{flooded:?} not within 10 % of {alone:?}"
+    );
+}
+
+/// A key holding 18 of a total cap of 20 with long requests (streams that outlast the test),
+/// and a key that keeps the other two busy with 1 s requests: each of five newcomer keys,
+/// arriving between two completions, is admitted at the first completion after it arrived.
+/// Before, the busy key's next request took the place given back before the woken newcomer
+/// ran, and the newcomer was refused when its wait ran out.
+#[tokio::test(start_paused = true)]
+async fn a_newcomer_is_admitted_at_the_next_completion_beside_long_requests() {
+    type Log = Arc<std::sync::Mutex<Vec<(String, tokio::time::Instant, tokio::time::Instant)>>>;
+    let limits = capped(20, 8, Duration::from_secs(5));
+    // Each handler notes its key, when it started (was admitted) and when it will end.
+    let log: Log = Arc::default();
+    let service = {
+        let log = log.clone();
+        limits.layer(tower::service_fn(move |request: Request<String>| {
+            let user = request.headers()["x-user"].to_str().unwrap().to_owned();
+            let hold = match user.as_str() {
+                "long" => Duration::from_secs(3_600),
+                "busy" => Duration::from_secs(1),
+                _ => Duration::from_millis(300),
+            };
+            let now = tokio::time::Instant::now();
+            log.lock().unwrap().push((user, now, now + hold));
+            async move {
+                tokio::time::sleep(hold).await;
+                Ok::<_, Infallible>(Response::new(frames(1)))
+            }
+        }))
+    };
+    let start = tokio::time::Instant::now();
+    for _ in 0..18 {
+        tokio::spawn(service.clone().oneshot(request("long", "/")));
+    }
+    tokio::task::yield_now().await;
+    assert_eq!(limits.in_flight("per-user", "long"), 18);
+    for _ in 0..2 {
+        let service = service.clone();
+        tokio::spawn(async move {
+            loop {
+                let answer = service.clone().oneshot(request("busy", "/")).await.unwrap();
+                if answer.status() != StatusCode::OK {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        });
+    }
+    let mut waited = 0;
+    for i in 0..5u64 {
+        tokio::time::sleep_until(start + Duration::from_millis(1_000 * i + 500)).await;
+        let user = format!("new-{i}");
+        let asked = tokio::time::Instant::now();
+        let answer = service.clone().oneshot(request(&user, "/")).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK, "{user}");
+        let log = log.lock().unwrap();
+        let admitted = log.iter().find(|(u, ..)| *u == user).unwrap().1;
+        let next_completion = log
+            .iter()
+            .filter(|(u, _, end)| *u != user && *end > asked)
+            .map(|(.., end)| *end)
+            .min()
+            .unwrap();
+        // At once if a place was free, else at the first completion after it asked.
+        assert!(
+            admitted == asked || admitted == next_completion,
+            "{user}: asked at {:?}, admitted at {:?}, next completion at {:?}",
+            asked - start,
+            admitted - start,
+            next_completion - start
+        );
+        waited += usize::from(admitted > asked);
+    }
+    assert!(waited >= 3, "only {waited} newcomers found the cap full");
+}
+
+/// 30 keys whose demands span two orders of magnitude, at 150 % of a total cap's capacity:
+/// what each key gets, divided by its max-min fair share, with its Jain's fairness index.
+async fn jain_index(queue: bool) -> f64 {
+    const CAP: u32 = 20;
+    const HOLD: Duration = Duration::from_millis(100);
+    let mut builder = ConcurrencyLimitLayer::builder()
+        .rule(
+            Rule::new("per-user").key(Header::from_static("x-user")),
+            CAP,
+        )
+        .total(CAP)
+        .clock(TokioClock::new());
+    if queue {
+        builder = builder.queue(40, Duration::from_millis(500));
+    }
+    let limits = builder.build().unwrap();
+    let service = timed_service(&limits, |_: &str| HOLD);
+    // Demands from 1 to 100 (geometric), scaled to 1.5 times the capacity (CAP / HOLD).
+    let capacity = f64::from(CAP) / HOLD.as_secs_f64();
+    let raw: Vec<f64> = (0..30).map(|i| 100f64.powf(f64::from(i) / 29.0)).collect();
+    let scale = 1.5 * capacity / raw.iter().sum::<f64>();
+    let demand: Vec<f64> = raw.iter().map(|d| d * scale).collect();
+    // The max-min fair share: the smaller of each demand and the level that fills capacity.
+    let (mut lo, mut hi) = (0.0, capacity);
+    for _ in 0..100 {
+        let level = (lo + hi) / 2.0;
+        if demand.iter().map(|d| d.min(level)).sum::<f64>() > capacity {
+            hi = level;
+        } else {
+            lo = level;
+        }
+    }
+    let fair: Vec<f64> = demand.iter().map(|d| d.min(lo)).collect();
+    let received: Arc<Vec<AtomicU64>> = Arc::new((0..30).map(|_| AtomicU64::new(0)).collect());
+    let warm_up = tokio::time::Instant::now() + Duration::from_secs(2);
+    let end = warm_up + Duration::from_secs(30);
+    for (key, rate) in demand.iter().enumerate() {
+        let (service, received) = (service.clone(), received.clone());
+        let interval = Duration::from_secs_f64(1.0 / rate);
+        tokio::spawn(async move {
+            // Each key starts at its own phase.
+            tokio::time::sleep(interval.mul_f64(key as f64 / 30.0)).await;
+            let mut ticks = tokio::time::interval(interval);
+            loop {
+                ticks.tick().await;
+                if tokio::time::Instant::now() >= end {
+                    break;
+                }
+                let (service, received) = (service.clone(), received.clone());
+                tokio::spawn(async move {
+                    let user = format!("k{key}");
+                    let answer = service.oneshot(request(&user, "/")).await.unwrap();
+                    let now = tokio::time::Instant::now();
+                    if answer.status() == StatusCode::OK && now >= warm_up && now < end {
+                        received[key].fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+    }
+    tokio::time::sleep_until(end + Duration::from_secs(2)).await;
+    let seconds = (end - warm_up).as_secs_f64();
+    let x: Vec<f64> = (0..30)
+        .map(|k| received[k].load(Ordering::Relaxed) as f64 / seconds / fair[k])
+        .collect();
+    let sum: f64 = x.iter().sum();
+    let squares: f64 = x.iter().map(|v| v * v).sum();
+    sum * sum / (30.0 * squares)
+}
+
+/// Jain's fairness index of what 30 keys (demands over two orders of magnitude, 150 % load)
+/// receive divided by their max-min fair share is at least 0.95 with the fair queue; the
+/// figure without a queue (the cap alone refuses whoever finds it full) is printed beside it.
+#[tokio::test(start_paused = true)]
+async fn thirty_keys_at_150_percent_get_their_max_min_fair_share() {
+    let fair = jain_index(true).await;
+    let plain = jain_index(false).await;
+    println!(
+        "Jain's index of received / max-min fair share: {fair:.3} with the fair queue, {plain:.3} without a queue"
+    );
+    assert!(fair >= 0.95, "{fair}");
+}
+
+/// The queue's wait is timed on the layer's clock: with a `ManualClock` that does not move, a
+/// waiter is still waiting after an hour of tokio's time; once the clock has passed its longest
+/// wait, it is refused (at the timer's next look, one longest wait later on tokio's time).
+/// Before, the wait ran on tokio's timer whatever the layer's clock said.
+#[tokio::test(start_paused = true)]
+async fn the_queue_waits_on_the_layers_clock() {
+    let clock = tollgate::clock::ManualClock::new();
+    let limits = ConcurrencyLimitLayer::builder()
+        .rule(Rule::new("per-user").key(Header::from_static("x-user")), 1)
+        .queue(4, Duration::from_millis(100))
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let _held = service.clone().oneshot(request("a", "/")).await.unwrap();
+    let waiter = tokio::spawn(service.clone().oneshot(request("a", "/")));
+    tokio::time::sleep(Duration::from_secs(3_600)).await;
+    assert_eq!(limits.queued(), 1, "the clock has not moved");
+    assert!(!waiter.is_finished());
+    clock.advance(Duration::from_millis(100));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        waiter.await.unwrap().unwrap().status(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(limits.queued(), 0);
 }
