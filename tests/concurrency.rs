@@ -1091,6 +1091,80 @@ async fn thirty_keys_at_150_percent_get_their_max_min_fair_share() {
     assert!(fair >= 0.95, "{fair}");
 }
 
+/// A tier resolver that never answers: the request is decided after the tiers' timeout, in
+/// the default tier (here `free`, one in flight), and the next request of the key asks again
+/// (a fallback is remembered for nobody).
+#[tokio::test(start_paused = true)]
+async fn a_hanging_resolver_falls_back_to_the_default_tier_after_the_timeout() {
+    use tollgate::limiter::Tiers;
+    let plans = Tiers::new(|_: String| std::future::pending::<Option<String>>())
+        .default_tier("free")
+        .timeout(Duration::from_millis(250));
+    let limits = ConcurrencyLimitLayer::builder()
+        .tiered(
+            Rule::new("per-user").key(Header::from_static("x-user")),
+            plans,
+            [("free", 1), ("pro", 5)],
+        )
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let start = tokio::time::Instant::now();
+    let first = service.clone().oneshot(request("u", "/")).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(start.elapsed(), Duration::from_millis(250));
+    let second = service.clone().oneshot(request("u", "/")).await.unwrap();
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS, "free: one");
+    assert_eq!(start.elapsed(), Duration::from_millis(500));
+}
+
+/// 100 concurrent requests for one key whose tier is not known: the resolver is asked once,
+/// and all of them are decided by its answer (`pro`, 5 in flight: 5 admitted, 95 refused).
+/// Before, each request asked the resolver for itself: 100 lookups of one key.
+#[tokio::test(start_paused = true)]
+async fn concurrent_requests_for_an_unknown_key_share_one_lookup() {
+    use tollgate::limiter::Tiers;
+    let asked = Arc::new(AtomicU64::new(0));
+    let plans = {
+        let asked = asked.clone();
+        Tiers::new(move |_: String| {
+            asked.fetch_add(1, Ordering::SeqCst);
+            async {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Some("pro".to_owned())
+            }
+        })
+        .default_tier("free")
+    };
+    let limits = ConcurrencyLimitLayer::builder()
+        .tiered(
+            Rule::new("per-user").key(Header::from_static("x-user")),
+            plans,
+            [("free", 1), ("pro", 5)],
+        )
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let calls: Vec<_> = (0..100)
+        .map(|_| tokio::spawn(service.clone().oneshot(request("u", "/"))))
+        .collect();
+    let mut statuses = Vec::new();
+    for call in calls {
+        statuses.push(call.await.unwrap().unwrap());
+    }
+    assert_eq!(asked.load(Ordering::SeqCst), 1, "one lookup for one key");
+    let ok = statuses
+        .iter()
+        .filter(|r| r.status() == StatusCode::OK)
+        .count();
+    assert_eq!(ok, 5, "all decided by the pro tier");
+    assert_eq!(limits.in_flight("per-user", "u"), 5);
+}
+
 /// The queue's wait is timed on the layer's clock: with a `ManualClock` that does not move, a
 /// waiter is still waiting after an hour of tokio's time; once the clock has passed its longest
 /// wait, it is refused (at the timer's next look, one longest wait later on tokio's time).

@@ -154,11 +154,14 @@ impl Shared {
                 .and_then(|r| r.tiers.as_ref())
             {
                 let raw = place.raw.take();
-                let answer = tiers
+                // Bounded by the tiers' timeout, one lookup per key at a time.
+                let tier = tiers
                     .lookup
-                    .resolve(raw.as_deref().unwrap_or(place.key.as_str()))
+                    .tier_of(
+                        place.key.as_str(),
+                        raw.as_deref().unwrap_or(place.key.as_str()),
+                    )
                     .await;
-                let tier = tiers.lookup.settle(place.key.as_str(), &answer);
                 place.max = tiers.limit(tier);
             }
         }

@@ -171,7 +171,9 @@ impl ConcurrencyLimitLayerBuilder {
     /// `limits` unless set); its own [`Tiers::tier`] list is for rate limits and must be
     /// empty here. The resolver gets the key the rule's extractor found and is asked at most
     /// once per key per cache time; a request whose key's tier is not known yet waits for the
-    /// answer.
+    /// answer, at most the tiers' [timeout](Tiers::timeout) (1 s unless set), after which it
+    /// counts in the default tier (so does a resolver that fails or panics; such a fallback is
+    /// not cached). Concurrent requests for one unknown key share one lookup and its answer.
     ///
     /// ```
     /// use tollgate::ConcurrencyLimitLayer;
