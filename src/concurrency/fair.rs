@@ -430,10 +430,12 @@ mod model_checks {
         }
     }
 
-    /// The holder of the only place of key `k` gives it back while `waiters` others admit,
-    /// queue or wait: each gets it in turn, never two at once.
-    fn hand_over(waiters: usize, total: Option<u32>) {
-        let shared = layer(1, total);
+    /// The holder of the only place (key `k` has `max`, the total cap `total`) gives it back
+    /// while `waiters` others of `k` admit, queue or wait: each gets it in turn, never two at
+    /// once. (As many may wait for a key as it has places: several waiters of one key need
+    /// the total cap to be the only place.)
+    fn hand_over(waiters: usize, max: u32, total: Option<u32>) {
+        let shared = layer(max, total);
         let peak = Arc::new(AtomicU32::new(0));
         let held = admit(&shared, "k");
         let threads: Vec<_> = (0..waiters)
@@ -441,7 +443,12 @@ mod model_checks {
                 let (shared, peak) = (Arc::clone(&shared), Arc::clone(&peak));
                 shuttle::thread::spawn(move || {
                     let held = admit(&shared, "k");
-                    peak.fetch_max(shared.in_flight.count("k"), Ordering::SeqCst);
+                    // The places granted (the key's count also counts a try under way).
+                    let granted = shared.total.as_ref().map_or_else(
+                        || shared.in_flight.count("k"),
+                        |total| total.count.load(Ordering::SeqCst),
+                    );
+                    peak.fetch_max(granted, Ordering::SeqCst);
                     drop(held);
                 })
             })
@@ -458,12 +465,12 @@ mod model_checks {
 
     #[test]
     fn a_place_given_back_is_handed_to_the_waiter() {
-        shuttle::check_pct(|| hand_over(1, None), crate::sync::pct_runs(), 3);
+        shuttle::check_pct(|| hand_over(1, 1, None), crate::sync::pct_runs(), 3);
     }
 
     #[test]
     fn places_are_handed_to_every_waiter_in_turn() {
-        shuttle::check_pct(|| hand_over(3, None), crate::sync::pct_runs(), 3);
+        shuttle::check_pct(|| hand_over(3, 4, Some(1)), crate::sync::pct_runs(), 3);
     }
 
     /// Two keys under a total cap of one: the place under the cap goes round.
@@ -497,7 +504,8 @@ mod model_checks {
     fn a_place_handed_to_a_leaver_goes_on() {
         shuttle::check_pct(
             || {
-                let shared = layer(1, None);
+                // Two may wait for `k`; the total cap is the only place.
+                let shared = layer(2, Some(1));
                 let held = admit(&shared, "k");
                 let (parts, ()) = Request::get("/")
                     .header("x-user", "k")
@@ -506,7 +514,7 @@ mod model_checks {
                     .into_parts();
                 let leaver = match shared.admit(&parts) {
                     Ok(Admitted::Later(pending)) => pending,
-                    _ => panic!("the key is full: it waits"),
+                    _ => panic!("the cap is full: it waits"),
                 };
                 let next = {
                     let shared = Arc::clone(&shared);
