@@ -1198,3 +1198,85 @@ async fn the_queue_waits_on_the_layers_clock() {
     );
     assert_eq!(limits.queued(), 0);
 }
+
+/// A place of a key goes to that key's oldest waiter: two wait for key `a` (two places, both
+/// held); one place given back serves the first, and the second still waits.
+#[tokio::test(start_paused = true)]
+async fn a_keys_place_goes_to_its_oldest_waiter() {
+    let limits = queued(2, None, 8);
+    let service = limits.layer(tower::service_fn(|request: Request<String>| async move {
+        let tag = request.uri().path().to_owned();
+        let mut response = Response::new(frames(1));
+        response.headers_mut().insert("x-tag", tag.parse().unwrap());
+        Ok::<_, Infallible>(response)
+    }));
+    let first = service
+        .clone()
+        .oneshot(request("a", "/held-1"))
+        .await
+        .unwrap();
+    let _second = service
+        .clone()
+        .oneshot(request("a", "/held-2"))
+        .await
+        .unwrap();
+    let older = tokio::spawn(service.clone().oneshot(request("a", "/older")));
+    tokio::task::yield_now().await;
+    let newer = tokio::spawn(service.clone().oneshot(request("a", "/newer")));
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 2);
+    drop(first);
+    let served = older.await.unwrap().unwrap();
+    assert_eq!(served.headers()["x-tag"], "/older");
+    tokio::task::yield_now().await;
+    assert!(!newer.is_finished());
+    assert_eq!(limits.queued(), 1);
+    drop(served);
+    assert_eq!(newer.await.unwrap().unwrap().headers()["x-tag"], "/newer");
+}
+
+/// A full queue makes room for a key under its share: key `a` waits in all 4 places (alone,
+/// its share is the whole queue); key `b` arrives, the shares become 2 each, and `a`'s newest
+/// waiter is refused at once (`503`, as for a full queue) while `b` waits. Before, `b` was
+/// refused.
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_pushes_out_the_longest_flows_newest_waiter() {
+    // Up to 8 of a key may wait (its places), the queue holds 4, one place in all.
+    let limits = ConcurrencyLimitLayer::builder()
+        .rule(Rule::new("per-user").key(Header::from_static("x-user")), 8)
+        .total(1)
+        .queue(4, Duration::from_secs(5))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let held = service.clone().oneshot(request("z", "/")).await.unwrap();
+    let start = tokio::time::Instant::now();
+    let mut a: Vec<_> = (0..4)
+        .map(|i| {
+            let service = service.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(i)).await;
+                service.oneshot(request("a", "/")).await.unwrap().status()
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(limits.queued(), 4);
+    let b = tokio::spawn(service.clone().oneshot(request("b", "/")));
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 4, "b in, one of a out");
+    let newest = a.pop().unwrap();
+    assert_eq!(newest.await.unwrap(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_millis(10),
+        "refused at once"
+    );
+    // b holds nothing, a nothing either: the oldest flow (a) goes first, then b.
+    drop(held);
+    assert_eq!(a.remove(0).await.unwrap(), StatusCode::OK);
+    assert_eq!(b.await.unwrap().unwrap().status(), StatusCode::OK);
+}
