@@ -12,9 +12,10 @@ use http::request::Parts;
 use http::{Response, StatusCode};
 use smallvec::SmallVec;
 
+use super::fair::{Entered, Ticket};
 #[cfg(feature = "redis")]
 use super::leases::{Denied, Lease};
-use super::shared::{KeyQueue, Queue, Shared};
+use super::shared::Shared;
 use crate::answer::{Rejection, RejectionKind};
 use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::{Key, MAX_KEY_LEN};
@@ -35,15 +36,15 @@ pub(crate) struct Permit {
 const UNRESOLVED: u32 = 0;
 
 /// The keys a request takes a place of, one per rule that applies.
-type Places = SmallVec<[Place; 2]>;
+pub(super) type Places = SmallVec<[Place; 2]>;
 
-struct Place {
-    rule: u16,
-    max: u32,
+pub(super) struct Place {
+    pub(super) rule: u16,
+    pub(super) max: u32,
     /// The key as the extractor found it, while its tier is being resolved.
     raw: Option<Box<str>>,
-    hash: u64,
-    key: Key,
+    pub(super) hash: u64,
+    pub(super) key: Key,
 }
 
 impl Drop for Permit {
@@ -114,19 +115,34 @@ impl Shared {
 
     /// Takes the places (and leases), or waits for them in the queue.
     fn admit_places(self: &Arc<Self>, mut places: Places) -> Result<Admitted, Refusal> {
-        match self.take(&mut places) {
-            #[cfg(feature = "redis")]
-            Ok(permit) if self.leases.is_some() && !permit.held.is_empty() => {
-                Ok(Admitted::Later(Box::pin(Arc::clone(self).lease(permit))))
-            }
-            Ok(permit) => Ok(Admitted::Now(permit.grant())),
-            Err(refusal) => match &self.queue {
-                Some(queue) if queue.waiting.load(Ordering::Acquire) < queue.max => Ok(
-                    Admitted::Later(Box::pin(Arc::clone(self).wait(places, refusal))),
-                ),
-                _ => Err(refusal),
+        let mut refusal = match &self.queue {
+            // Others wait: the request comes to the queue, which serves them first (it tries
+            // the places there, and this refusal is replaced by the one it meets).
+            Some(queue) if queue.waiting.load(Ordering::Relaxed) > 0 => Refusal::Full,
+            _ => match self.take(&mut places) {
+                Ok(permit) => return self.admitted(permit),
+                Err(refusal) => refusal,
             },
+        };
+        let Some(queue) = &self.queue else {
+            return Err(refusal);
+        };
+        match self.enter(queue, places, &mut refusal) {
+            Entered::Now(permit) => self.admitted(permit),
+            Entered::Waiting(ticket) => Ok(Admitted::Later(Box::pin(
+                Arc::clone(self).wait(ticket, refusal),
+            ))),
+            Entered::Refused => Err(refusal),
         }
+    }
+
+    /// A request that has its places: granted now, or once it has its leases.
+    fn admitted(self: &Arc<Self>, permit: Permit) -> Result<Admitted, Refusal> {
+        #[cfg(feature = "redis")]
+        if self.leases.is_some() && !permit.held.is_empty() {
+            return Ok(Admitted::Later(Box::pin(Arc::clone(self).lease(permit))));
+        }
+        Ok(Admitted::Now(permit.grant()))
     }
 
     /// Asks the resolver the tiers not remembered yet, then admits.
@@ -138,11 +154,14 @@ impl Shared {
                 .and_then(|r| r.tiers.as_ref())
             {
                 let raw = place.raw.take();
-                let answer = tiers
+                // Bounded by the tiers' timeout, one lookup per key at a time.
+                let tier = tiers
                     .lookup
-                    .resolve(raw.as_deref().unwrap_or(place.key.as_str()))
+                    .tier_of(
+                        place.key.as_str(),
+                        raw.as_deref().unwrap_or(place.key.as_str()),
+                    )
                     .await;
-                let tier = tiers.lookup.settle(place.key.as_str(), &answer);
                 place.max = tiers.limit(tier);
             }
         }
@@ -191,7 +210,7 @@ impl Shared {
 
     /// Takes every place of `places` and one under the total cap (moving them into the
     /// permit), or none, and says why.
-    fn take(self: &Arc<Self>, places: &mut Places) -> Result<Permit, Refusal> {
+    pub(super) fn take(self: &Arc<Self>, places: &mut Places) -> Result<Permit, Refusal> {
         for (taken, place) in places.iter().enumerate() {
             if !self.in_flight.acquire(place.hash, &place.key, place.max) {
                 let refusal = Refusal::Busy { rule: place.rule };
@@ -228,12 +247,19 @@ impl Shared {
         }
     }
 
-    /// Gives back the places of a permit: its keys' and one under the total cap.
-    fn release(&self, places: &[Place]) {
+    /// Gives back the places of a permit: its keys' and one under the total cap; while
+    /// anyone waits, they go to the waiters they fit.
+    fn release(self: &Arc<Self>, places: &[Place]) {
         self.release_keys(places);
         if let Some(total) = &self.total {
             total.count.fetch_sub(1, Ordering::SeqCst);
-            self.in_flight.total_released();
+        }
+        if let Some(queue) = &self.queue {
+            // SeqCst, as the waiters count: a waiter counted itself before its last try, so
+            // either that try saw the place given back, or this sees the waiter.
+            if queue.waiting.load(Ordering::SeqCst) > 0 {
+                self.serve(queue);
+            }
         }
     }
 
@@ -266,67 +292,17 @@ impl Shared {
     }
 
     /// Waits in the queue for the places, then takes the leases; refused for the last reason
-    /// met when the queue is full or the wait runs out.
-    async fn wait(
-        self: Arc<Self>,
-        mut places: Places,
-        mut refusal: Refusal,
-    ) -> Result<Held, Refuse> {
-        match self.queued(&mut places, &mut refusal).await {
-            Some(permit) => self.lease(permit).await,
-            None => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
-        }
-    }
-
-    /// Waits (if the queue, and the queue of the key that refused, still have room) until
-    /// the places are free, or the queue's longest wait has passed.
-    async fn queued(
-        self: &Arc<Self>,
-        places: &mut Places,
-        refusal: &mut Refusal,
-    ) -> Option<Permit> {
-        let queue = self.queue.as_ref()?;
-        let _in_queue = queue.enter()?;
-        // At most as many wait for a key as it has places, whatever refused the request (its
-        // key, another rule's, or the total cap): one client cannot fill the queue.
-        let mut _key_queues: SmallVec<[KeyQueue<'_>; 2]> = SmallVec::new();
-        for place in places.iter() {
-            if !self
-                .in_flight
-                .enter_queue(place.hash, &place.key, place.max)
-            {
-                return None;
-            }
-            _key_queues.push(KeyQueue {
-                in_flight: &self.in_flight,
-                hash: place.hash,
-                key: place.key.clone(),
-            });
-        }
+    /// met when the wait runs out or the request is pushed out of a full queue.
+    async fn wait(self: Arc<Self>, ticket: Ticket, refusal: Refusal) -> Result<Held, Refuse> {
         let since = self.clock.now();
-        let permit = self.wait_for_places(queue, places, refusal).await;
+        let permit = ticket.wait().await;
         self.telemetry
             .queue
             .record_nanos(self.clock.now().saturating_sub(since));
-        permit
-    }
-
-    /// Takes the places once they are free, or gives up after the queue's longest wait.
-    async fn wait_for_places(
-        self: &Arc<Self>,
-        queue: &Queue,
-        places: &mut Places,
-        refusal: &mut Refusal,
-    ) -> Option<Permit> {
-        // A wait too long to reach (`Duration::MAX`) is no deadline.
-        let deadline = tokio::time::Instant::now().checked_add(queue.max_wait);
-        let on = |places: &Places, refusal: &Refusal| match *refusal {
-            Refusal::Busy { rule } => places.iter().find(|p| p.rule == rule).map(|p| p.hash),
-            _ => None,
-        };
-        self.in_flight
-            .wait_for(places, refusal, on, |places| self.take(places), deadline)
-            .await
+        match permit {
+            Some(permit) => self.lease(permit).await,
+            None => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
+        }
     }
 
     /// The answer to a refused request.

@@ -8,6 +8,7 @@ use std::time::Duration;
 use tower_layer::Layer;
 
 pub(crate) use super::admission::{Permit, bounded};
+use super::fair::Fair;
 #[cfg(feature = "redis")]
 use super::leases::Leases;
 use super::service::ConcurrencyLimit;
@@ -22,7 +23,7 @@ use crate::key::Key;
 use crate::limiter::{Matcher, Rule, Tiers, valid_name};
 #[cfg(feature = "redis")]
 use crate::store::FailurePolicy;
-use crate::sync::{AtomicU32, AtomicUsize};
+use crate::sync::{AtomicU32, AtomicUsize, Mutex};
 
 /// The default name of a [`ConcurrencyLimitLayer`] in metrics and logs.
 pub const DEFAULT_CONCURRENCY_LAYER_NAME: &str = "concurrency";
@@ -170,7 +171,9 @@ impl ConcurrencyLimitLayerBuilder {
     /// `limits` unless set); its own [`Tiers::tier`] list is for rate limits and must be
     /// empty here. The resolver gets the key the rule's extractor found and is asked at most
     /// once per key per cache time; a request whose key's tier is not known yet waits for the
-    /// answer.
+    /// answer, at most the tiers' [timeout](Tiers::timeout) (1 s unless set), after which it
+    /// counts in the default tier (so does a resolver that fails or panics; such a fallback is
+    /// not cached). Concurrent requests for one unknown key share one lookup and its answer.
     ///
     /// ```
     /// use tollgate::ConcurrencyLimitLayer;
@@ -209,16 +212,22 @@ impl ConcurrencyLimitLayerBuilder {
 
     /// Lets up to `max_waiting` requests (over the whole layer) that find their key or the
     /// total cap full wait up to `max_wait` for a place before being refused, instead of being
-    /// refused at once. A request that waits longer, or finds `max_waiting` others already
-    /// waiting, gets the usual answer (`429`, or `503` for the total cap). Waiters are woken
-    /// when a place of their key is given back; they are not served in order of arrival (a
-    /// newcomer may take a place first), so keep `max_wait` short: it bounds the latency
-    /// the queue adds. The wait runs on tokio's timer.
+    /// refused at once. A request that waits longer, finds no room, or is pushed out of a full
+    /// queue gets the usual answer (`429`, or `503` for the total cap).
     ///
-    /// At most as many requests wait for a key as the key has places, whatever refused them
-    /// (their key, or the total cap): one client cannot fill the queue. Both numbers must be
-    /// above zero ([`ConcurrencyError::InvalidQueue`]); a `max_wait` too long to reach
-    /// (`Duration::MAX`) is no deadline.
+    /// The queue is fair (see [the module docs](super#fairness)): waiters are kept per flow
+    /// (the key of the first rule that applies), a place given back goes to the waiter it
+    /// fits, in fair-queuing order (the flow whose key holds the fewest places first, then the
+    /// one served least recently; within a flow, the oldest), and a newcomer does not take a
+    /// place before a waiter it would fit. A flow waits in at most `max_waiting` divided by
+    /// the flows waiting (at least one) of the queue's places, and at most as many requests
+    /// wait for a key as the key has places, whatever refused them: one client cannot fill
+    /// the queue.
+    ///
+    /// The wait is timed on the layer's [clock](Self::clock), woken by tokio's timer: under
+    /// tokio's paused time give the layer a [`TokioClock`](crate::clock::TokioClock). Both
+    /// numbers must be above zero ([`ConcurrencyError::InvalidQueue`]); a `max_wait` too long
+    /// to reach (`Duration::MAX`) is no deadline.
     pub fn queue(mut self, max_waiting: usize, max_wait: Duration) -> Self {
         self.queue = Some((max_waiting, max_wait));
         self
@@ -272,8 +281,8 @@ impl ConcurrencyLimitLayerBuilder {
     }
 
     /// The clock that times requests for `Retry-After` and the wait in the queue (the
-    /// system's monotonic clock unless set; a [`ManualClock`](crate::clock::ManualClock) in
-    /// tests).
+    /// system's monotonic clock unless set; [`TokioClock`](crate::clock::TokioClock) under
+    /// tokio's paused time, a [`ManualClock`](crate::clock::ManualClock) in tests).
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Arc::new(clock);
         self
@@ -361,6 +370,7 @@ impl ConcurrencyLimitLayerBuilder {
                     max,
                     max_wait,
                     waiting: AtomicUsize::new(0),
+                    fair: Mutex::new(Fair::default()),
                 }),
                 latency: Latency::default(),
                 #[cfg(feature = "redis")]

@@ -18,9 +18,9 @@
 //! - gRPC requests get `RESOURCE_EXHAUSTED` and `UNAVAILABLE` with `grpc-retry-pushback-ms`,
 //!   as from the rate-limit layer: every layer answers through [`answer`](crate::answer).
 //!
-//! - **A short wait** (optional, [`queue`](ConcurrencyLimitLayerBuilder::queue)): up to so
-//!   many requests that find their key or the cap full wait up to a maximum time for a place
-//!   before being refused.
+//! - **A short, fair wait** (optional, [`queue`](ConcurrencyLimitLayerBuilder::queue)): up
+//!   to so many requests that find their key or the cap full wait up to a maximum time for a
+//!   place before being refused, served fairly between keys ([Fairness](#fairness)).
 //!
 //! A request holds its place until its response body has been sent in full, has failed, or
 //! has been dropped ([`PermitBody`]): a streamed download counts until its last byte. A
@@ -28,6 +28,37 @@
 //! place back at once, and so does one whose inner service fails or panics. A key's entry
 //! exists only while it has requests in flight, so memory follows the requests in flight, not
 //! the keys ever seen, and a request of a key already in flight allocates nothing.
+//!
+//! # Fairness
+//!
+//! With a [queue](ConcurrencyLimitLayerBuilder::queue), waiting is fair between keys. A
+//! *flow* is the key of the first rule that applies to a request (the requests no rule
+//! applies to make one flow); the queue keeps its waiters per flow, and a flow exists only
+//! while one of its requests waits, so the queue's memory follows its length, not the number
+//! of keys. What a flow is promised, while its requests wait (up to the longest wait):
+//!
+//! 1. **No overtaking.** A place given back while requests wait is handed to a waiter it
+//!    fits, and a newcomer that finds anyone waiting is ordered with them: it gets a place at
+//!    once only if no waiter can use that place.
+//! 2. **Fair order.** Among the waiters a place fits, the oldest waiter of the flow whose key
+//!    holds the fewest places goes first (ties: the flow served least recently by the queue,
+//!    then the one that entered it first). A request of a key with nothing in flight that
+//!    waits for the total cap is therefore admitted when a place under the cap is next given
+//!    back, by any key, unless waiters of other keys holding nothing are ahead of it (then it
+//!    is admitted within as many places given back as there are such flows ahead of it).
+//! 3. **Its share of the queue.** A flow waits in at most `max_waiting` divided by the number
+//!    of flows waiting (at least one place), and in at most as many places as its key has;
+//!    when the queue is full, a newcomer whose flow is under its share pushes out the newest
+//!    waiter of the longest flow, if that flow is over its share (that waiter is refused as
+//!    if the queue had been full). A flow under its share is never refused for a full queue.
+//! 4. **Its own places in order.** A place of a key goes to that key's oldest waiter it fits.
+//!
+//! A waiter whose client goes away (its future dropped) leaves at once and takes nothing; a
+//! place handed to it as it went goes on to the next waiter. What is not promised: places in
+//! flight are not taken back, so a key that holds many places with long requests keeps them
+//! until those requests end (fairness acts on each place given back, not on those held), and
+//! a key still takes any place no one waits for. The wait is timed on the layer's
+//! [clock](ConcurrencyLimitLayerBuilder::clock).
 //!
 //! # Too many requests in flight
 //!
@@ -113,6 +144,7 @@
 //! around the work it protects.
 
 mod admission;
+mod fair;
 mod layer;
 #[cfg(feature = "redis")]
 mod leases;

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use super::fair::Fair;
 use super::layer::ConcurrencyError;
 #[cfg(feature = "redis")]
 use super::leases::Leases;
@@ -11,9 +12,8 @@ use super::table::InFlight;
 use super::telemetry::Telemetry;
 use crate::answer::Responder;
 use crate::clock::Clock;
-use crate::key::Key;
 use crate::limiter::{Matcher, TierLookup, Tiers, valid_name};
-use crate::sync::{AtomicU32, AtomicU64, AtomicUsize};
+use crate::sync::{AtomicU32, AtomicU64, AtomicUsize, Mutex};
 
 /// What every clone of the layer and its services shares.
 pub(crate) struct Shared {
@@ -120,45 +120,15 @@ pub(super) struct Total {
     pub(super) count: AtomicU32,
 }
 
-/// Requests waiting for a place: at most `max`, each at most `max_wait`.
+/// Requests waiting for a place: at most `max`, each at most `max_wait`, served fairly
+/// ([`fair`](super::fair)).
 pub(super) struct Queue {
     pub(super) max: usize,
     pub(super) max_wait: Duration,
+    /// The requests waiting (read without the lock: a place given back, or a newcomer, sees
+    /// whether anyone waits).
     pub(super) waiting: AtomicUsize,
-}
-
-/// A request counted among those waiting for a place of `key`; dropping it stops counting.
-pub(super) struct KeyQueue<'a> {
-    pub(super) in_flight: &'a InFlight,
-    pub(super) hash: u64,
-    pub(super) key: Key,
-}
-
-impl Drop for KeyQueue<'_> {
-    fn drop(&mut self) {
-        self.in_flight.leave_queue(self.hash, &self.key);
-    }
-}
-
-/// A request's place in the [`Queue`]; dropping it leaves the queue.
-pub(super) struct InQueue<'a>(&'a AtomicUsize);
-
-impl Drop for InQueue<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-impl Queue {
-    /// A place in the queue, if it is not full.
-    pub(super) fn enter(&self) -> Option<InQueue<'_>> {
-        self.waiting
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| InQueue(&self.waiting))
-    }
+    pub(super) fair: Mutex<Fair>,
 }
 
 /// A moving average of the time requests stay in flight, in nanoseconds (each new sample

@@ -5,7 +5,6 @@ use std::hash::BuildHasher;
 use std::sync::atomic::Ordering;
 
 use hashbrown::HashTable;
-use tokio::sync::Notify;
 
 use crate::key::Key;
 use crate::sync::{AtomicUsize, Mutex};
@@ -29,12 +28,6 @@ pub(crate) struct InFlight {
     hasher: crate::sync::HashState,
     /// Keys with requests in flight, over all shards.
     entries: AtomicUsize,
-    /// One per shard: woken when a place of one of its keys is given back, while anyone waits.
-    wakers: Box<[Notify]>,
-    /// Woken when a place under the total cap is given back ([`InFlight::total_released`]).
-    total_waker: Notify,
-    /// Requests waiting for a place (see [`InFlight::wait_for`]).
-    waiters: AtomicUsize,
 }
 
 impl InFlight {
@@ -43,9 +36,6 @@ impl InFlight {
             shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
             hasher: crate::sync::HashState::default(),
             entries: AtomicUsize::new(0),
-            wakers: (0..SHARDS).map(|_| Notify::new()).collect(),
-            total_waker: Notify::new(),
-            waiters: AtomicUsize::new(0),
         }
     }
 
@@ -60,74 +50,6 @@ impl InFlight {
 
     fn shard(&self, hash: u64) -> &Shard {
         &self.shards[self.shard_index(hash)]
-    }
-
-    /// Takes places with `take`, waiting while it refuses: each refusal is kept in `refusal`,
-    /// and the request waits until a place is given back, of the key whose hash `on` gives
-    /// for the refusal (`None`: a place under the total cap), then tries again; `None` once
-    /// `deadline` has passed (no deadline: it waits as long as it takes).
-    ///
-    /// Each try comes after the request counted itself among the waiters and registered its
-    /// wake-up for the place it lacked, so that a place given back between a failed try and
-    /// the wait still wakes it; refused for another place than that one, it registers again
-    /// before it waits (the model checks below run this in many interleavings).
-    pub(crate) async fn wait_for<S, T, E>(
-        &self,
-        state: &mut S,
-        refusal: &mut E,
-        on: impl Fn(&S, &E) -> Option<u64>,
-        mut take: impl FnMut(&mut S) -> Result<T, E>,
-        deadline: Option<tokio::time::Instant>,
-    ) -> Option<T> {
-        // Tries in a row that were refused for another place than the one registered for.
-        let mut flips = 0u32;
-        loop {
-            self.waiters.fetch_add(1, Ordering::SeqCst);
-            let _waiting = Waiting(&self.waiters);
-            let waits_on = on(state, refusal);
-            let freed = match waits_on {
-                Some(hash) => &self.wakers[self.shard_index(hash)],
-                None => &self.total_waker,
-            };
-            let mut notified = std::pin::pin!(freed.notified());
-            notified.as_mut().enable();
-            match take(state) {
-                Ok(taken) => return Some(taken),
-                Err(again) => *refusal = again,
-            }
-            // Refused for another key (or the total cap) than the one it registered for: the
-            // place it lacks now would not wake it; register for that one and try again (while
-            // time is left: others taking and giving back places could keep it turning).
-            if on(state, refusal) != waits_on {
-                if deadline.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
-                    return None;
-                }
-                // A refusal that keeps flipping between keys under churn would otherwise turn
-                // here without ever giving the thread back: from the second flip in a row, let
-                // the other tasks run first.
-                flips += 1;
-                if flips > 1 {
-                    YieldNow(false).await;
-                }
-                continue;
-            }
-            flips = 0;
-            match deadline {
-                Some(deadline) => {
-                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                        return None;
-                    }
-                }
-                None => notified.await,
-            }
-        }
-    }
-
-    /// A place under the total cap was given back: wakes those waiting for one.
-    pub(crate) fn total_released(&self) {
-        if self.waiters.load(Ordering::SeqCst) > 0 {
-            self.total_waker.notify_waiters();
-        }
     }
 
     /// Takes a place for `key` if it has fewer than `max` in flight; whether it did. A key
@@ -200,11 +122,14 @@ impl InFlight {
                 self.entries.fetch_sub(1, Ordering::Relaxed);
             }
         }
-        drop(table);
-        // After the place is back, so a waiter that registered before its failed try is woken.
-        if self.waiters.load(Ordering::SeqCst) > 0 {
-            self.wakers[self.shard_index(hash)].notify_waiters();
-        }
+    }
+
+    /// The requests in flight for `key`, whose hash is `hash`.
+    pub(crate) fn count_of(&self, hash: u64, key: &Key) -> u32 {
+        self.shard(hash)
+            .lock()
+            .find(hash, |e| e.key == *key)
+            .map_or(0, |e| e.count)
     }
 
     /// The requests in flight for `key`.
@@ -230,66 +155,9 @@ impl InFlight {
     }
 }
 
-/// A request counted among the waiters of an [`InFlight`]; dropping it stops counting it.
-struct Waiting<'a>(&'a AtomicUsize);
-
-/// Returns `Pending` once (asking to be polled again at once), then `Ready`: lets the other
-/// tasks on the thread run.
-struct YieldNow(bool);
-
-impl std::future::Future for YieldNow {
-    type Output = ();
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<()> {
-        if std::mem::replace(&mut self.0, true) {
-            return std::task::Poll::Ready(());
-        }
-        cx.waker().wake_by_ref();
-        std::task::Poll::Pending
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A refusal that flips between two keys on every try (others taking and giving back
-    /// places) does not keep the thread: the wait yields after the second flip in a row.
-    /// Before, it turned without yielding for as long as the flips went on.
-    #[test]
-    fn a_refusal_that_keeps_flipping_yields_the_thread() {
-        let t = InFlight::new();
-        let tries = std::cell::Cell::new(0u32);
-        let mut flip = 0u64;
-        let (mut state, mut refusal) = ((), 0u64);
-        let wait = t.wait_for(
-            &mut state,
-            &mut refusal,
-            |_, refusal| Some(*refusal),
-            |_| {
-                tries.set(tries.get() + 1);
-                assert!(tries.get() < 1_000, "turns without yielding");
-                flip ^= 1;
-                Err::<(), u64>(flip)
-            },
-            None,
-        );
-        let mut wait = std::pin::pin!(wait);
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        assert!(wait.as_mut().poll(&mut cx).is_pending());
-        assert!(tries.get() <= 3, "{} tries", tries.get());
-        assert!(wait.as_mut().poll(&mut cx).is_pending());
-        assert!(tries.get() <= 6, "{} tries", tries.get());
-    }
 
     #[test]
     fn entries_live_while_counts_are_above_zero() {
@@ -342,122 +210,13 @@ mod tests {
 }
 
 /// Model checks (`bash scripts/model-check`, under `--cfg tollgate_shuttle`): shuttle runs the
-/// threads below in many interleavings of the table's locks and atomics (its PCT scheduler); a
-/// wake-up lost in one of them leaves a waiter blocked for ever, which shuttle reports as a
-/// deadlock.
+/// threads below in many interleavings of the table's locks and atomics (its PCT scheduler).
+/// The hand-over of places to waiters is checked with the queue ([`fair`](super::fair)).
 #[cfg(all(test, tollgate_shuttle))]
 mod model_checks {
     use std::sync::Arc;
 
     use super::*;
-
-    /// Waits for a place of `key` (at most `max` in flight), as the concurrency layer's queue
-    /// does, and gives it back.
-    fn wait_take_release(t: &InFlight, key: &Key, max: u32) {
-        let hash = t.hash(key.as_str());
-        let taken = shuttle::future::block_on(t.wait_for(
-            &mut (),
-            &mut (),
-            |_, _| Some(hash),
-            |_| t.acquire(hash, key, max).then_some(()).ok_or(()),
-            None,
-        ));
-        assert!(
-            taken.is_some(),
-            "no deadline: it waits until it has a place"
-        );
-        t.release(hash, key);
-    }
-
-    /// The holder of the only place gives it back while `waiters` others try, register or
-    /// wait for it; each gets it in turn.
-    fn hand_over(waiters: usize) {
-        let t = Arc::new(InFlight::new());
-        let key = Key::from("k");
-        let hash = t.hash(key.as_str());
-        assert!(t.acquire(hash, &key, 1));
-        let threads: Vec<_> = (0..waiters)
-            .map(|_| {
-                let (t, key) = (Arc::clone(&t), key.clone());
-                shuttle::thread::spawn(move || wait_take_release(&t, &key, 1))
-            })
-            .collect();
-        t.release(hash, &key);
-        for thread in threads {
-            thread.join().unwrap();
-        }
-        assert_eq!((t.count("k"), t.keys(), t.total()), (0, 0, 0));
-    }
-
-    #[test]
-    fn a_waiter_is_woken_by_the_place_given_back() {
-        shuttle::check_pct(|| hand_over(1), crate::sync::pct_runs(), 3);
-    }
-
-    #[test]
-    fn waiters_are_woken_by_every_place_given_back() {
-        shuttle::check_pct(|| hand_over(3), crate::sync::pct_runs(), 3);
-    }
-
-    #[test]
-    fn a_waiter_refused_for_another_key_waits_for_that_one() {
-        shuttle::check_pct(
-            || {
-                // Keys `a` and `b` (in different shards), one place each. The main thread holds
-                // `b`; the waiter needs both, `a` first, and was refused for `b`. Another
-                // request takes `a` and gives it back while `b` comes back: the waiter may be
-                // refused next for `a`, and must then be woken by `a`.
-                let t = Arc::new(InFlight::new());
-                let shard = |key: &str| t.shard_index(t.hash(key));
-                let a = Key::from("a");
-                let b = (0..)
-                    .map(|i| Key::from(format!("b{i}").as_str()))
-                    .find(|b| shard(b.as_str()) != shard("a"))
-                    .unwrap();
-                let (ha, hb) = (t.hash(a.as_str()), t.hash(b.as_str()));
-                assert!(t.acquire(hb, &b, 1));
-                let waiter = {
-                    let (t, a, b) = (Arc::clone(&t), a.clone(), b.clone());
-                    shuttle::thread::spawn(move || {
-                        let mut refusal = hb;
-                        let taken = shuttle::future::block_on(t.wait_for(
-                            &mut (),
-                            &mut refusal,
-                            |_, &lacked| Some(lacked),
-                            |_| {
-                                if !t.acquire(ha, &a, 1) {
-                                    return Err(ha);
-                                }
-                                if !t.acquire(hb, &b, 1) {
-                                    t.release(ha, &a);
-                                    return Err(hb);
-                                }
-                                Ok(())
-                            },
-                            None,
-                        ));
-                        assert!(taken.is_some());
-                        t.release(ha, &a);
-                        t.release(hb, &b);
-                    })
-                };
-                let other = {
-                    let (t, a) = (Arc::clone(&t), a.clone());
-                    shuttle::thread::spawn(move || {
-                        if t.acquire(ha, &a, 1) {
-                            t.release(ha, &a);
-                        }
-                    })
-                };
-                t.release(hb, &b);
-                waiter.join().unwrap();
-                other.join().unwrap();
-                assert_eq!((t.keys(), t.total()), (0, 0));
-            },
-            crate::sync::pct_runs(),
-            3,
-        );
-    }
 
     #[test]
     fn counts_return_to_zero_and_never_pass_the_limit() {

@@ -292,6 +292,7 @@ impl Tiers {
                 #[cfg(test)]
                 scans: Default::default(),
             }),
+            flights: Arc::default(),
             clock: self.clock,
             #[cfg(feature = "tracing")]
             warned: Default::default(),
@@ -324,6 +325,8 @@ pub(crate) struct TierLookup {
     ttl: u64,
     /// Shared with the lookup of the same rule after a reload that left the rule as it was.
     cache: Arc<TierCache>,
+    /// The lookups under way, by key ([`TierLookup::tier_of`]): one per key at a time.
+    flights: Arc<Mutex<std::collections::HashMap<Box<str>, Flight>>>,
     clock: Arc<dyn Clock>,
     /// Fallbacks: at most one WARN a second (on `clock`), the others at DEBUG.
     #[cfg(feature = "tracing")]
@@ -371,6 +374,52 @@ impl TierLookup {
                 .await
                 .unwrap_or(Resolution::TimedOut)
         })
+    }
+
+    /// The tier of `key` (the extractor's key `raw` is what the resolver is asked), with one
+    /// lookup per key at a time (single flight): requests for a key being looked up wait for
+    /// that lookup, bounded as it is by the [timeout](Tiers::timeout), and get its tier (its
+    /// fallback, the default tier, if it failed). Should the request that looks up go away
+    /// first, the next one waiting looks up in its place.
+    pub(crate) async fn tier_of(&self, key: &str, raw: &str) -> u16 {
+        loop {
+            let flight = {
+                let mut flights = self.flights.lock();
+                match flights.get(key) {
+                    Some(flight) => Err(flight.clone()),
+                    None => {
+                        let (sender, receiver) = tokio::sync::watch::channel(None);
+                        flights.insert(key.into(), receiver);
+                        Ok(sender)
+                    }
+                }
+            };
+            match flight {
+                Ok(sender) => {
+                    // Ends the flight however the lookup ends (the request may go away).
+                    let _landing = Landing {
+                        flights: &self.flights,
+                        key,
+                    };
+                    let resolution = self.resolve(raw).await;
+                    let tier = self.settle(key, &resolution);
+                    sender.send_replace(Some(tier));
+                    return tier;
+                }
+                Err(mut follow) => loop {
+                    if let Some(tier) = *follow.borrow_and_update() {
+                        return tier;
+                    }
+                    if follow.changed().await.is_err() {
+                        // The lookup went away unfinished, unless it finished as it went.
+                        if let Some(tier) = *follow.borrow() {
+                            return tier;
+                        }
+                        break;
+                    }
+                },
+            }
+        }
     }
 
     /// The tier of a finished resolution: an answer is remembered for `key`; a resolver that
@@ -433,6 +482,21 @@ impl TierLookup {
                 .insert(key, tier, now.saturating_add(self.ttl), now);
         }
         tier
+    }
+}
+
+/// A lookup under way: its tier once it has one.
+type Flight = tokio::sync::watch::Receiver<Option<u16>>;
+
+/// Removes a key's flight when its lookup ends (or is dropped).
+struct Landing<'a> {
+    flights: &'a Mutex<std::collections::HashMap<Box<str>, Flight>>,
+    key: &'a str,
+}
+
+impl Drop for Landing<'_> {
+    fn drop(&mut self) {
+        self.flights.lock().remove(self.key);
     }
 }
 
@@ -522,6 +586,37 @@ impl TierCache {
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
+
+    /// Single flight: a request that waits for another's lookup of its key looks up itself
+    /// once that one goes away unfinished (its client gave up), and gets the answer.
+    #[tokio::test(start_paused = true)]
+    async fn a_lookup_whose_request_goes_away_is_taken_over() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let calls = Arc::new(AtomicUsize::new(0));
+        let lookup = {
+            let calls = calls.clone();
+            Tiers::new(move |_: String| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                async {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    Some("pro".to_owned())
+                }
+            })
+            .tier("free", [])
+            .tier("pro", [])
+            .into_resolved("r", 0)
+        };
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut first = Box::pin(lookup.tier_of("k", "k"));
+        let mut second = Box::pin(lookup.tier_of("k", "k"));
+        assert!(first.as_mut().poll(&mut cx).is_pending());
+        assert!(second.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "one lookup at a time");
+        drop(first);
+        assert_eq!(second.await, 1);
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        assert!(lookup.flights.lock().is_empty());
+    }
 
     #[test]
     fn answers_are_remembered_for_their_time_and_bounded() {
