@@ -15,6 +15,7 @@ use smallvec::SmallVec;
 #[cfg(feature = "redis")]
 use super::leases::{Denied, Lease};
 use super::shared::{KeyQueue, Queue, Shared};
+use super::table::Slot;
 use crate::answer::{Rejection, RejectionKind};
 use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::{Key, MAX_KEY_LEN};
@@ -22,7 +23,9 @@ use crate::key::{Key, MAX_KEY_LEN};
 /// The places one request holds; dropping it gives them back and times the request.
 pub(crate) struct Permit {
     shared: Arc<Shared>,
-    held: Places,
+    /// Its places of keys, by slot: it moves with the request's future and response, so it
+    /// holds no copy of a key.
+    held: SmallVec<[Taken; 2]>,
     started: u64,
     /// Whether the request got every place: a permit dropped while being refused gives back
     /// what it took but teaches nothing about how long requests stay.
@@ -36,6 +39,12 @@ const UNRESOLVED: u32 = 0;
 
 /// The keys a request takes a place of, one per rule that applies.
 type Places = SmallVec<[Place; 2]>;
+
+/// A place of a key that a permit holds: its rule, and its entry in the table.
+struct Taken {
+    rule: u16,
+    slot: Slot,
+}
 
 struct Place {
     rule: u16,
@@ -70,10 +79,7 @@ impl Drop for Permit {
 impl fmt::Debug for Permit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Permit")
-            .field(
-                "keys",
-                &self.held.iter().map(|h| &h.key).collect::<Vec<_>>(),
-            )
+            .field("keys", &self.held.len())
             .finish_non_exhaustive()
     }
 }
@@ -105,25 +111,30 @@ impl Shared {
     /// Takes the places of every rule that applies and of the total cap, all or none; or,
     /// with a queue that has room, waits for them.
     pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Refusal> {
-        let places = self.places(parts)?;
+        // Filled in place, and moved only into a wait: a request that does not wait copies no
+        // key around.
+        let mut places = Places::new();
+        self.places(parts, &mut places)?;
         if places.iter().any(|p| p.max == UNRESOLVED) {
             return Ok(Admitted::Later(Box::pin(Arc::clone(self).resolve(places))));
         }
-        self.admit_places(places)
+        self.admit_places(&mut places)
     }
 
     /// Takes the places (and leases), or waits for them in the queue.
-    fn admit_places(self: &Arc<Self>, mut places: Places) -> Result<Admitted, Refusal> {
-        match self.take(&mut places) {
+    fn admit_places(self: &Arc<Self>, places: &mut Places) -> Result<Admitted, Refusal> {
+        match self.take(places) {
             #[cfg(feature = "redis")]
-            Ok(permit) if self.leases.is_some() && !permit.held.is_empty() => {
-                Ok(Admitted::Later(Box::pin(Arc::clone(self).lease(permit))))
-            }
+            Ok(permit) if self.leases.is_some() && !permit.held.is_empty() => Ok(Admitted::Later(
+                Box::pin(Arc::clone(self).lease(permit, std::mem::take(places))),
+            )),
             Ok(permit) => Ok(Admitted::Now(permit.grant())),
             Err(refusal) => match &self.queue {
-                Some(queue) if queue.waiting.load(Ordering::Acquire) < queue.max => Ok(
-                    Admitted::Later(Box::pin(Arc::clone(self).wait(places, refusal))),
-                ),
+                Some(queue) if queue.waiting.load(Ordering::Acquire) < queue.max => {
+                    Ok(Admitted::Later(Box::pin(
+                        Arc::clone(self).wait(std::mem::take(places), refusal),
+                    )))
+                }
                 _ => Err(refusal),
             },
         }
@@ -146,16 +157,15 @@ impl Shared {
                 place.max = tiers.limit(tier);
             }
         }
-        match self.admit_places(places) {
+        match self.admit_places(&mut places) {
             Ok(Admitted::Now(held)) => Ok(held),
             Ok(Admitted::Later(pending)) => pending.await,
             Err(refusal) => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
         }
     }
 
-    /// The keys of the rules that apply to a request.
-    fn places(&self, parts: &Parts) -> Result<Places, Refusal> {
-        let mut places = Places::new();
+    /// The keys of the rules that apply to a request, into `places`.
+    fn places(&self, parts: &Parts, places: &mut Places) -> Result<(), Refusal> {
         for (index, rule) in self.rules.iter().enumerate() {
             if !rule.matcher.matches(parts) {
                 continue;
@@ -186,17 +196,23 @@ impl Shared {
                 key,
             });
         }
-        Ok(places)
+        Ok(())
     }
 
-    /// Takes every place of `places` and one under the total cap (moving them into the
-    /// permit), or none, and says why.
-    fn take(self: &Arc<Self>, places: &mut Places) -> Result<Permit, Refusal> {
-        for (taken, place) in places.iter().enumerate() {
-            if !self.in_flight.acquire(place.hash, &place.key, place.max) {
-                let refusal = Refusal::Busy { rule: place.rule };
-                self.release_keys(&places[..taken]);
-                return Err(refusal);
+    /// Takes every place of `places` and one under the total cap (the permit holds them), or
+    /// none, and says why.
+    fn take(self: &Arc<Self>, places: &Places) -> Result<Permit, Refusal> {
+        let mut held = SmallVec::new();
+        for place in places {
+            match self.in_flight.take(place.hash, &place.key, place.max) {
+                Some(slot) => held.push(Taken {
+                    rule: place.rule,
+                    slot,
+                }),
+                None => {
+                    self.release_keys(&held);
+                    return Err(Refusal::Busy { rule: place.rule });
+                }
             }
         }
         if let Some(total) = &self.total {
@@ -208,43 +224,46 @@ impl Shared {
                     (n < total.max).then_some(n + 1)
                 });
             if taken.is_err() {
-                self.release_keys(places);
+                self.release_keys(&held);
                 return Err(Refusal::Full);
             }
         }
         Ok(Permit {
             shared: Arc::clone(self),
-            held: std::mem::take(places),
-            started: self.clock.now(),
+            held,
+            // Timed from its grant.
+            started: 0,
             granted: false,
             #[cfg(feature = "redis")]
             leases: SmallVec::new(),
         })
     }
 
-    fn release_keys(&self, places: &[Place]) {
-        for place in places {
-            self.in_flight.release(place.hash, &place.key);
+    fn release_keys(&self, held: &[Taken]) {
+        for taken in held {
+            self.in_flight.give_back(taken.slot);
         }
     }
 
     /// Gives back the places of a permit: its keys' and one under the total cap.
-    fn release(&self, places: &[Place]) {
-        self.release_keys(places);
+    fn release(&self, held: &[Taken]) {
+        self.release_keys(held);
         if let Some(total) = &self.total {
             total.count.fetch_sub(1, Ordering::SeqCst);
             self.in_flight.total_released();
         }
     }
 
-    /// Takes a lease on Redis for each key of `permit` (without Redis, nothing to take).
-    async fn lease(self: Arc<Self>, permit: Permit) -> Result<Held, Refuse> {
+    /// Takes a lease on Redis for each key of `permit` (its `places`; without Redis, nothing
+    /// to take).
+    async fn lease(self: Arc<Self>, permit: Permit, places: Places) -> Result<Held, Refuse> {
+        #[cfg(not(feature = "redis"))]
+        let _ = places;
         #[cfg(feature = "redis")]
         let permit = {
             let mut permit = permit;
             if let Some(leases) = self.leases.clone() {
-                for i in 0..permit.held.len() {
-                    let place = &permit.held[i];
+                for place in &places {
                     let rule = place.rule;
                     match leases.acquire(place.key.as_str(), place.max).await {
                         Ok(Some(lease)) => permit.leases.push(lease),
@@ -273,7 +292,7 @@ impl Shared {
         mut refusal: Refusal,
     ) -> Result<Held, Refuse> {
         match self.queued(&mut places, &mut refusal).await {
-            Some(permit) => self.lease(permit).await,
+            Some(permit) => self.lease(permit, places).await,
             None => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
         }
     }
