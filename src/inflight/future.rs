@@ -142,9 +142,8 @@ where
                 StateProj::Called { future, held } => {
                     let result = ready!(future.poll(cx));
                     let mut held = held.take();
-                    let answer = answer_of(&result);
-                    if let Some(held) = &mut held {
-                        held.answered(answer);
+                    if let Some(held) = held.as_mut().filter(|held| held.learns()) {
+                        held.answered(answer_of(&result));
                     }
                     // An error gives the place back here; a response hands it to its body.
                     return Poll::Ready(

@@ -112,6 +112,11 @@ pub(crate) struct Guard {
 }
 
 impl Guard {
+    /// Whether the service's answers teach the shedder anything (see [`Shared::learns`]).
+    pub(crate) fn learns(&self) -> bool {
+        self.place.shared.learns
+    }
+
     /// The inner service answered: the adaptive limit learns how long it took, unless a
     /// tollgate layer inside refused the request.
     pub(crate) fn answered(&mut self, answer: Answer) {
