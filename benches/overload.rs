@@ -3,8 +3,8 @@
 //! adaptive `ConcurrencyLimit`, in alternation round after round so that a neighbour's load
 //! hits every row alike; the median per request of each, and its difference to the bare
 //! service. The `floor:` rows are what a feature of the layers costs on its own (the clock
-//! reads that time a request; a value held until the response body ends), so that a layer's
-//! figure can be read as its features' floors plus the rest.
+//! reads that time a request; a value held until the response body ends; a key counted under
+//! a lock), so that a layer's figure can be read as its features' floors plus the rest.
 //!
 //! ```sh
 //! cargo bench --bench overload --features axum
@@ -16,6 +16,7 @@
 #![allow(missing_docs)]
 
 use std::convert::Infallible;
+use std::hash::BuildHasher;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -31,6 +32,8 @@ use tollgate::{ConcurrencyLimitLayer, LoadShedLayer, MemoryStore, Rate, ShapeLay
 use tower::{BoxError, Service, ServiceBuilder, ServiceExt};
 
 type Ready = std::future::Ready<Result<Response<Body>, Infallible>>;
+
+const X_USER: http::HeaderName = http::HeaderName::from_static("x-user");
 
 /// A trivial service: the layers' own cost, without axum's.
 fn trivial() -> tower::util::ServiceFn<fn(Request<Body>) -> Ready> {
@@ -143,6 +146,8 @@ fn rows() -> Vec<(&'static str, Box<dyn Row>)> {
     let clock = SystemClock::new();
     let (before, after) = (clock.clone(), clock);
     let held = Arc::new(());
+    let shards: Arc<[parking_lot::Mutex<u32>]> = (0..32).map(|_| Default::default()).collect();
+    let hasher = foldhash::fast::RandomState::default();
     vec![
         ("trivial service", row(trivial())),
         (
@@ -164,6 +169,21 @@ fn rows() -> Vec<(&'static str, Box<dyn Row>)> {
                 .map_response(move |r: Response<Body>| {
                     let held = Some(Arc::clone(&held));
                     r.map(|inner| HeldBody { inner, _held: held })
+                })
+                .service(trivial())),
+        ),
+        (
+            "floor: key, lock twice",
+            row(ServiceBuilder::new()
+                .map_request(move |r: Request<Body>| {
+                    // A key read from a header and hashed, and a count in its shard taken and
+                    // given back, each under the shard's lock: a per-key limit's least work
+                    // (without its map of keys).
+                    let key = r.headers().get(&X_USER).map(|v| v.as_bytes());
+                    let shard = &shards[(hasher.hash_one(key) % 32) as usize];
+                    *shard.lock() += 1;
+                    *shard.lock() -= 1;
+                    r
                 })
                 .service(trivial())),
         ),
