@@ -2,18 +2,29 @@
 //! (answers at once), next to tower's `ConcurrencyLimit` and `LoadShed` and tower-acc's
 //! adaptive `ConcurrencyLimit`, in alternation round after round so that a neighbour's load
 //! hits every row alike; the median per request of each, and its difference to the bare
-//! service.
+//! service. The `floor:` rows are what a feature of the layers costs on its own (the clock
+//! reads that time a request; a value held until the response body ends; a key counted under
+//! a lock), so that a layer's figure can be read as its features' floors plus the rest.
 //!
 //! ```sh
 //! cargo bench --bench overload --features axum
+//! # only the rows whose name holds one of these words (and the trivial service):
+//! cargo bench --bench overload --features axum -- shed floor
+//! # on a busy machine, many short rounds (the median keeps those no other process cut):
+//! OVERLOAD_BENCH_ROUNDS=301 OVERLOAD_BENCH_REQUESTS=2000 cargo bench --bench overload --features axum
 //! ```
 #![allow(missing_docs)]
 
 use std::convert::Infallible;
+use std::hash::BuildHasher;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use http::{Request, Response, StatusCode};
+use tollgate::clock::{Clock, SystemClock};
 use tollgate::key::Header;
 use tollgate::limiter::Rule;
 use tollgate::shed::Limit;
@@ -21,6 +32,8 @@ use tollgate::{ConcurrencyLimitLayer, LoadShedLayer, MemoryStore, Rate, ShapeLay
 use tower::{BoxError, Service, ServiceBuilder, ServiceExt};
 
 type Ready = std::future::Ready<Result<Response<Body>, Infallible>>;
+
+const X_USER: http::HeaderName = http::HeaderName::from_static("x-user");
 
 /// A trivial service: the layers' own cost, without axum's.
 fn trivial() -> tower::util::ServiceFn<fn(Request<Body>) -> Ready> {
@@ -38,10 +51,32 @@ fn request() -> Request<Body> {
     request
 }
 
+/// A response body holding a value until it ends (the floor of a permit held to the body's
+/// end: a reference count taken per request and given back when the body is dropped).
+struct HeldBody<B> {
+    inner: B,
+    _held: Option<Arc<()>>,
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for HeldBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+}
+
 /// One row: `n` requests through a fresh clone each (as hyper clones the service per request),
 /// each response's body dropped at once, timed.
 trait Row {
     fn run(&self, runtime: &tokio::runtime::Runtime, n: u64) -> Duration;
+    /// The bytes of the service's response future and of its response, moved on every
+    /// request.
+    fn sizes(&self) -> (usize, usize);
 }
 
 struct Svc<S>(S);
@@ -65,6 +100,13 @@ where
             }
             start.elapsed()
         })
+    }
+
+    fn sizes(&self) -> (usize, usize) {
+        (
+            std::mem::size_of::<S::Future>(),
+            std::mem::size_of::<S::Response>(),
+        )
     }
 }
 
@@ -90,14 +132,61 @@ fn rows() -> Vec<(&'static str, Box<dyn Row>)> {
             .build(),
     );
     let shed_fixed = built(LoadShedLayer::builder(Limit::fixed(1_000_000)).build());
+    let shed_fair = built(
+        LoadShedLayer::builder(Limit::fixed(1_000_000))
+            .fair_by(Header::from_static("x-user"))
+            .build(),
+    );
     let shed_vegas = built(LoadShedLayer::builder(Limit::vegas(100).bounds(1, 1_000_000)).build());
     let shape = built(
         ShapeLayer::builder(MemoryStore::new())
             .rule(per_user(), Rate::per_second(1_000_000_000), 1_000_000_000)
             .build(),
     );
+    let clock = SystemClock::new();
+    let (before, after) = (clock.clone(), clock);
+    let held = Arc::new(());
+    let shards: Arc<[parking_lot::Mutex<u32>]> = (0..32).map(|_| Default::default()).collect();
+    let hasher = foldhash::fast::RandomState::default();
     vec![
         ("trivial service", row(trivial())),
+        (
+            "floor: two clock reads",
+            row(ServiceBuilder::new()
+                .map_request(move |r: Request<Body>| {
+                    std::hint::black_box(before.now());
+                    r
+                })
+                .map_response(move |r: Response<Body>| {
+                    std::hint::black_box(after.now());
+                    r
+                })
+                .service(trivial())),
+        ),
+        (
+            "floor: held to body end",
+            row(ServiceBuilder::new()
+                .map_response(move |r: Response<Body>| {
+                    let held = Some(Arc::clone(&held));
+                    r.map(|inner| HeldBody { inner, _held: held })
+                })
+                .service(trivial())),
+        ),
+        (
+            "floor: key, lock twice",
+            row(ServiceBuilder::new()
+                .map_request(move |r: Request<Body>| {
+                    // A key read from a header and hashed, and a count in its shard taken and
+                    // given back, each under the shard's lock: a per-key limit's least work
+                    // (without its map of keys).
+                    let key = r.headers().get(&X_USER).map(|v| v.as_bytes());
+                    let shard = &shards[(hasher.hash_one(key) % 32) as usize];
+                    *shard.lock() += 1;
+                    *shard.lock() -= 1;
+                    r
+                })
+                .service(trivial())),
+        ),
         (
             "tower ConcurrencyLimit",
             row(ServiceBuilder::new()
@@ -137,6 +226,10 @@ fn rows() -> Vec<(&'static str, Box<dyn Row>)> {
             row(ServiceBuilder::new().layer(shed_fixed).service(trivial())),
         ),
         (
+            "tollgate shed, fixed, fair",
+            row(ServiceBuilder::new().layer(shed_fair).service(trivial())),
+        ),
+        (
             "tollgate shed, Vegas",
             row(ServiceBuilder::new().layer(shed_vegas).service(trivial())),
         ),
@@ -155,17 +248,34 @@ fn main() {
         .ok()
         .and_then(|r| r.parse().ok())
         .unwrap_or(31);
-    const PER_ROUND: u64 = 20_000;
+    // On a busy machine, shorter rounds (more of them) are less often cut by another
+    // process, and the median keeps those that were not.
+    let per_round: u64 = std::env::var("OVERLOAD_BENCH_REQUESTS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(20_000);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
-    let rows = rows();
+    // Words that pick rows by name (cargo passes `--bench` too); none: every row.
+    let words: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let rows: Vec<_> = rows()
+        .into_iter()
+        .enumerate()
+        .filter(|(i, (name, _))| {
+            *i == 0 || words.is_empty() || words.iter().any(|w| name.contains(w.as_str()))
+        })
+        .map(|(_, row)| row)
+        .collect();
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
     for _ in 0..rounds {
         for (i, (_, row)) in rows.iter().enumerate() {
-            let took = row.run(&runtime, PER_ROUND);
-            samples[i].push(took.as_nanos() as f64 / PER_ROUND as f64);
+            let took = row.run(&runtime, per_round);
+            samples[i].push(took.as_nanos() as f64 / per_round as f64);
         }
     }
     let medians: Vec<f64> = samples
@@ -175,10 +285,12 @@ fn main() {
             s[s.len() / 2]
         })
         .collect();
-    println!("interleaved medians ({rounds} rounds of {PER_ROUND} requests each):");
-    for ((name, _), median) in rows.iter().zip(&medians) {
+    println!("interleaved medians ({rounds} rounds of {per_round} requests each):");
+    for ((name, row), median) in rows.iter().zip(&medians) {
+        let (future, response) = row.sizes();
         println!(
-            "  {name:<28} {median:>7.0} ns/request  {:>+6.0} ns vs the trivial service",
+            "  {name:<30} {median:>7.0} ns/request  {:>+6.0} ns vs the trivial service  \
+             (future {future} B, response {response} B)",
             median - medians[0]
         );
     }

@@ -16,6 +16,7 @@ use super::fair::{Entered, Ticket};
 #[cfg(feature = "redis")]
 use super::leases::{Denied, Lease};
 use super::shared::Shared;
+use super::table::Slot;
 use crate::answer::{Rejection, RejectionKind};
 use crate::inflight::{Admitted, Held, Refuse};
 use crate::key::{Key, MAX_KEY_LEN};
@@ -23,7 +24,9 @@ use crate::key::{Key, MAX_KEY_LEN};
 /// The places one request holds; dropping it gives them back and times the request.
 pub(crate) struct Permit {
     shared: Arc<Shared>,
-    held: Places,
+    /// Its places of keys, by slot: it moves with the request's future and response, so it
+    /// holds no copy of a key.
+    held: SmallVec<[Taken; 2]>,
     started: u64,
     /// Whether the request got every place: a permit dropped while being refused gives back
     /// what it took but teaches nothing about how long requests stay.
@@ -37,6 +40,12 @@ const UNRESOLVED: u32 = 0;
 
 /// The keys a request takes a place of, one per rule that applies.
 pub(super) type Places = SmallVec<[Place; 2]>;
+
+/// A place of a key that a permit holds: its rule, and its entry in the table.
+struct Taken {
+    rule: u16,
+    slot: Slot,
+}
 
 pub(super) struct Place {
     pub(super) rule: u16,
@@ -71,10 +80,7 @@ impl Drop for Permit {
 impl fmt::Debug for Permit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Permit")
-            .field(
-                "keys",
-                &self.held.iter().map(|h| &h.key).collect::<Vec<_>>(),
-            )
+            .field("keys", &self.held.len())
             .finish_non_exhaustive()
     }
 }
@@ -106,29 +112,32 @@ impl Shared {
     /// Takes the places of every rule that applies and of the total cap, all or none; or,
     /// with a queue that has room, waits for them.
     pub(crate) fn admit(self: &Arc<Self>, parts: &Parts) -> Result<Admitted, Refusal> {
-        let places = self.places(parts)?;
+        // Filled in place, and moved only into a wait: a request that does not wait copies no
+        // key around.
+        let mut places = Places::new();
+        self.places(parts, &mut places)?;
         if places.iter().any(|p| p.max == UNRESOLVED) {
             return Ok(Admitted::Later(Box::pin(Arc::clone(self).resolve(places))));
         }
-        self.admit_places(places)
+        self.admit_places(&mut places)
     }
 
     /// Takes the places (and leases), or waits for them in the queue.
-    fn admit_places(self: &Arc<Self>, mut places: Places) -> Result<Admitted, Refusal> {
+    fn admit_places(self: &Arc<Self>, places: &mut Places) -> Result<Admitted, Refusal> {
         let mut refusal = match &self.queue {
             // Others wait: the request comes to the queue, which serves them first (it tries
             // the places there, and this refusal is replaced by the one it meets).
             Some(queue) if queue.waiting.load(Ordering::Relaxed) > 0 => Refusal::Full,
-            _ => match self.take(&mut places) {
-                Ok(permit) => return self.admitted(permit),
+            _ => match self.take(places) {
+                Ok(permit) => return self.admitted(permit, places),
                 Err(refusal) => refusal,
             },
         };
         let Some(queue) = &self.queue else {
             return Err(refusal);
         };
-        match self.enter(queue, places, &mut refusal) {
-            Entered::Now(permit) => self.admitted(permit),
+        match self.enter(queue, std::mem::take(places), &mut refusal) {
+            Entered::Now(permit, mut places) => self.admitted(permit, &mut places),
             Entered::Waiting(ticket) => Ok(Admitted::Later(Box::pin(
                 Arc::clone(self).wait(ticket, refusal),
             ))),
@@ -137,11 +146,21 @@ impl Shared {
     }
 
     /// A request that has its places: granted now, or once it has its leases.
-    fn admitted(self: &Arc<Self>, permit: Permit) -> Result<Admitted, Refusal> {
+    fn admitted(
+        self: &Arc<Self>,
+        permit: Permit,
+        places: &mut Places,
+    ) -> Result<Admitted, Refusal> {
         #[cfg(feature = "redis")]
         if self.leases.is_some() && !permit.held.is_empty() {
-            return Ok(Admitted::Later(Box::pin(Arc::clone(self).lease(permit))));
+            // The keys go with it to Redis (moved only here: without leases, nothing moves).
+            let places = std::mem::take(places);
+            return Ok(Admitted::Later(Box::pin(
+                Arc::clone(self).lease(permit, places),
+            )));
         }
+        #[cfg(not(feature = "redis"))]
+        let _ = places;
         Ok(Admitted::Now(permit.grant()))
     }
 
@@ -165,16 +184,15 @@ impl Shared {
                 place.max = tiers.limit(tier);
             }
         }
-        match self.admit_places(places) {
+        match self.admit_places(&mut places) {
             Ok(Admitted::Now(held)) => Ok(held),
             Ok(Admitted::Later(pending)) => pending.await,
             Err(refusal) => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
         }
     }
 
-    /// The keys of the rules that apply to a request.
-    fn places(&self, parts: &Parts) -> Result<Places, Refusal> {
-        let mut places = Places::new();
+    /// The keys of the rules that apply to a request, into `places`.
+    fn places(&self, parts: &Parts, places: &mut Places) -> Result<(), Refusal> {
         for (index, rule) in self.rules.iter().enumerate() {
             if !rule.matcher.matches(parts) {
                 continue;
@@ -205,17 +223,23 @@ impl Shared {
                 key,
             });
         }
-        Ok(places)
+        Ok(())
     }
 
-    /// Takes every place of `places` and one under the total cap (moving them into the
-    /// permit), or none, and says why.
-    pub(super) fn take(self: &Arc<Self>, places: &mut Places) -> Result<Permit, Refusal> {
-        for (taken, place) in places.iter().enumerate() {
-            if !self.in_flight.acquire(place.hash, &place.key, place.max) {
-                let refusal = Refusal::Busy { rule: place.rule };
-                self.release_keys(&places[..taken]);
-                return Err(refusal);
+    /// Takes every place of `places` and one under the total cap (the permit holds them), or
+    /// none, and says why.
+    pub(super) fn take(self: &Arc<Self>, places: &Places) -> Result<Permit, Refusal> {
+        let mut held = SmallVec::new();
+        for place in places {
+            match self.in_flight.take(place.hash, &place.key, place.max) {
+                Some(slot) => held.push(Taken {
+                    rule: place.rule,
+                    slot,
+                }),
+                None => {
+                    self.release_keys(&held);
+                    return Err(Refusal::Busy { rule: place.rule });
+                }
             }
         }
         if let Some(total) = &self.total {
@@ -227,30 +251,31 @@ impl Shared {
                     (n < total.max).then_some(n + 1)
                 });
             if taken.is_err() {
-                self.release_keys(places);
+                self.release_keys(&held);
                 return Err(Refusal::Full);
             }
         }
         Ok(Permit {
             shared: Arc::clone(self),
-            held: std::mem::take(places),
-            started: self.clock.now(),
+            held,
+            // Timed from its grant.
+            started: 0,
             granted: false,
             #[cfg(feature = "redis")]
             leases: SmallVec::new(),
         })
     }
 
-    fn release_keys(&self, places: &[Place]) {
-        for place in places {
-            self.in_flight.release(place.hash, &place.key);
+    fn release_keys(&self, held: &[Taken]) {
+        for taken in held {
+            self.in_flight.give_back(taken.slot);
         }
     }
 
     /// Gives back the places of a permit: its keys' and one under the total cap; while
     /// anyone waits, they go to the waiters they fit.
-    fn release(self: &Arc<Self>, places: &[Place]) {
-        self.release_keys(places);
+    fn release(self: &Arc<Self>, held: &[Taken]) {
+        self.release_keys(held);
         if let Some(total) = &self.total {
             total.count.fetch_sub(1, Ordering::SeqCst);
         }
@@ -263,14 +288,16 @@ impl Shared {
         }
     }
 
-    /// Takes a lease on Redis for each key of `permit` (without Redis, nothing to take).
-    async fn lease(self: Arc<Self>, permit: Permit) -> Result<Held, Refuse> {
+    /// Takes a lease on Redis for each key of `permit` (its `places`; without Redis, nothing
+    /// to take).
+    async fn lease(self: Arc<Self>, permit: Permit, places: Places) -> Result<Held, Refuse> {
+        #[cfg(not(feature = "redis"))]
+        let _ = places;
         #[cfg(feature = "redis")]
         let permit = {
             let mut permit = permit;
             if let Some(leases) = self.leases.clone() {
-                for i in 0..permit.held.len() {
-                    let place = &permit.held[i];
+                for place in &places {
                     let rule = place.rule;
                     match leases.acquire(place.key.as_str(), place.max).await {
                         Ok(Some(lease)) => permit.leases.push(lease),
@@ -300,7 +327,7 @@ impl Shared {
             .queue
             .record_nanos(self.clock.now().saturating_sub(since));
         match permit {
-            Some(permit) => self.lease(permit).await,
+            Some((permit, places)) => self.lease(permit, places).await,
             None => Err(Box::new(move |parts: &Parts| self.answer(parts, refusal))),
         }
     }

@@ -67,13 +67,14 @@ struct Flow {
 struct Waiter {
     id: u64,
     places: Places,
-    permit: oneshot::Sender<Permit>,
+    /// Its permit once served, with its places (their keys, for leases).
+    permit: oneshot::Sender<(Permit, Places)>,
 }
 
 /// How a request that found no place fares at the queue.
 pub(super) enum Entered {
-    /// A place no waiter could use was free: the request has it.
-    Now(Permit),
+    /// A place no waiter could use was free: the request has it (and its places back).
+    Now(Permit, Places),
     /// It waits.
     Waiting(Ticket),
     /// No room for it (the queue, its flow's share, or its key's waiters are full).
@@ -87,7 +88,7 @@ pub(super) struct Ticket {
     flow: FlowId,
     /// The keys whose waiting counts it holds ([`InFlight::enter_queue`](super::table::InFlight::enter_queue)).
     keys: SmallVec<[(u64, Key); 2]>,
-    permit: oneshot::Receiver<Permit>,
+    permit: oneshot::Receiver<(Permit, Places)>,
     /// Its deadline on the layer's clock (`None`: it waits as long as it takes).
     deadline: Option<u64>,
 }
@@ -137,10 +138,10 @@ impl Shared {
     pub(super) fn enter(
         self: &Arc<Self>,
         queue: &Queue,
-        mut places: Places,
+        places: Places,
         refusal: &mut Refusal,
     ) -> Entered {
-        let mut gone = SmallVec::<[Permit; 1]>::new();
+        let mut gone = SmallVec::<[(Permit, Places); 1]>::new();
         let entered = {
             let mut fair = queue.fair.lock();
             // Counted before it tries: a place given back after its try sees it waiting and
@@ -148,10 +149,10 @@ impl Shared {
             queue.waiting.fetch_add(1, Ordering::SeqCst);
             // Those already waiting first: what is free now goes to them in their order.
             self.serve_locked(queue, &mut fair, &mut gone);
-            match self.take(&mut places) {
+            match self.take(&places) {
                 Ok(permit) => {
                     queue.waiting.fetch_sub(1, Ordering::SeqCst);
-                    Entered::Now(permit)
+                    Entered::Now(permit, places)
                 }
                 Err(again) => {
                     *refusal = again;
@@ -247,7 +248,7 @@ impl Shared {
 
     /// Places came back: hands them to the waiters they fit, in fair-queuing order.
     pub(super) fn serve(self: &Arc<Self>, queue: &Queue) {
-        let mut gone = SmallVec::<[Permit; 1]>::new();
+        let mut gone = SmallVec::<[(Permit, Places); 1]>::new();
         {
             let mut fair = queue.fair.lock();
             self.serve_locked(queue, &mut fair, &mut gone);
@@ -261,7 +262,7 @@ impl Shared {
         self: &Arc<Self>,
         queue: &Queue,
         fair: &mut Fair,
-        gone: &mut SmallVec<[Permit; 1]>,
+        gone: &mut SmallVec<[(Permit, Places); 1]>,
     ) {
         loop {
             // The flows in fair-queuing order: fewest places held, least recently served, oldest.
@@ -288,7 +289,7 @@ impl Shared {
                     // Left (its ticket is on its way to remove it): skip it this time.
                     continue;
                 }
-                if let Ok(permit) = self.take(&mut head.places) {
+                if let Ok(permit) = self.take(&head.places) {
                     served = Some((i, permit));
                     break;
                 }
@@ -303,8 +304,8 @@ impl Shared {
                 return;
             };
             fair.left(queue, i);
-            if let Err(permit) = waiter.permit.send(permit) {
-                gone.push(permit);
+            if let Err(given) = waiter.permit.send((permit, waiter.places)) {
+                gone.push(given);
             }
         }
     }
@@ -313,7 +314,7 @@ impl Shared {
 impl Ticket {
     /// Waits for a permit until the deadline (on the layer's clock); `None` when the deadline
     /// passes or the request is pushed out of a full queue.
-    pub(super) async fn wait(mut self) -> Option<Permit> {
+    pub(super) async fn wait(mut self) -> Option<(Permit, Places)> {
         loop {
             let Some(deadline) = self.deadline else {
                 return (&mut self.permit).await.ok();

@@ -13,14 +13,48 @@ use crate::sync::{AtomicUsize, Mutex};
 const SHARDS: usize = 32;
 
 /// One shard: each key with requests in flight or waiting for a place.
-type Shard = Mutex<HashTable<Entry>>;
+type Shard = Mutex<Table>;
+
+/// The entries of a shard, and the id its next entry gets.
+#[derive(Default)]
+struct Table {
+    entries: HashTable<Entry>,
+    next_id: u64,
+}
+
+// The shard's entries are what its lock is taken for.
+impl std::ops::Deref for Table {
+    type Target = HashTable<Entry>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.entries
+    }
+}
+
+impl std::ops::DerefMut for Table {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.entries
+    }
+}
 
 /// A key's requests in flight, and those waiting for a place of it (the entry lives while
 /// either is above zero).
 struct Entry {
     key: Key,
+    /// Unique in its shard for as long as the table lives: a place taken names its entry by
+    /// it ([`Slot`]), without a copy of the key.
+    id: u64,
     count: u32,
     waiting: u32,
+}
+
+/// A place taken of a key: its entry, by the key's hash and the entry's id. The entry lives
+/// at least as long as the place (its count is above zero until the place is given back), so
+/// a slot names one entry and no other, and gives the place back without the key.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Slot {
+    hash: u64,
+    id: u64,
 }
 
 pub(crate) struct InFlight {
@@ -33,7 +67,7 @@ pub(crate) struct InFlight {
 impl InFlight {
     pub(crate) fn new() -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashTable::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(Table::default())).collect(),
             hasher: crate::sync::HashState::default(),
             entries: AtomicUsize::new(0),
         }
@@ -55,29 +89,43 @@ impl InFlight {
     /// Takes a place for `key` if it has fewer than `max` in flight; whether it did. A key
     /// already in flight takes its place without allocating.
     pub(crate) fn acquire(&self, hash: u64, key: &Key, max: u32) -> bool {
+        self.take(hash, key, max).is_some()
+    }
+
+    /// Takes a place for `key` if it has fewer than `max` in flight: its slot, to give it back
+    /// with [`InFlight::give_back`]. A key already in flight takes its place without
+    /// allocating.
+    pub(crate) fn take(&self, hash: u64, key: &Key, max: u32) -> Option<Slot> {
         let mut table = self.shard(hash).lock();
         if let Some(entry) = table.find_mut(hash, |e| e.key == *key) {
             if entry.count >= max {
-                return false;
+                return None;
             }
             entry.count += 1;
-            return true;
+            return Some(Slot { hash, id: entry.id });
         }
         if max == 0 {
-            return false;
+            return None;
         }
-        self.insert(&mut table, hash, key, 1, 0);
-        true
+        let id = self.insert(&mut table, hash, key, 1, 0);
+        Some(Slot { hash, id })
     }
 
-    fn insert(&self, table: &mut HashTable<Entry>, hash: u64, key: &Key, count: u32, waiting: u32) {
+    /// Inserts the entry of `key`: its id.
+    fn insert(&self, table: &mut Table, hash: u64, key: &Key, count: u32, waiting: u32) -> u64 {
+        let id = table.next_id;
+        table.next_id += 1;
         let entry = Entry {
             key: key.clone(),
+            id,
             count,
             waiting,
         };
-        table.insert_unique(hash, entry, |e| self.hasher.hash_one(e.key.as_str()));
+        table
+            .entries
+            .insert_unique(hash, entry, |e| self.hasher.hash_one(e.key.as_str()));
         self.entries.fetch_add(1, Ordering::Relaxed);
+        id
     }
 
     /// Counts a request waiting for a place of `key`, if fewer than `max` already wait for
@@ -113,8 +161,17 @@ impl InFlight {
 
     /// Gives a place of `key` back; the entry goes when its count reaches zero.
     pub(crate) fn release(&self, hash: u64, key: &Key) {
+        self.give_back_where(hash, |e| e.key == *key);
+    }
+
+    /// Gives back the place of `slot` (see [`InFlight::release`]).
+    pub(crate) fn give_back(&self, slot: Slot) {
+        self.give_back_where(slot.hash, |e| e.id == slot.id);
+    }
+
+    fn give_back_where(&self, hash: u64, is: impl Fn(&Entry) -> bool) {
         let mut table = self.shard(hash).lock();
-        if let Ok(mut entry) = table.find_entry(hash, |e| e.key == *key) {
+        if let Ok(mut entry) = table.find_entry(hash, is) {
             let e = entry.get_mut();
             e.count = e.count.saturating_sub(1);
             if e.count == 0 && e.waiting == 0 {
@@ -178,6 +235,31 @@ mod tests {
         assert_eq!(t.keys(), 0);
         assert!(!t.acquire(h, &key, 0));
         assert_eq!(t.keys(), 0);
+    }
+
+    /// A slot names its entry and no other: given back, it frees the place it took; kept
+    /// past its entry's end (a bug), it cannot free a place of the key's next entry.
+    #[test]
+    fn a_slot_gives_back_the_place_of_its_own_entry() {
+        let t = InFlight::new();
+        let (a, b) = (Key::from("a"), Key::from("b"));
+        let (ha, hb) = (t.hash(a.as_str()), t.hash(b.as_str()));
+        let first = t.take(ha, &a, 2).unwrap();
+        let second = t.take(ha, &a, 2).unwrap();
+        assert!(t.take(ha, &a, 2).is_none());
+        let other = t.take(hb, &b, 1).unwrap();
+        t.give_back(first);
+        assert_eq!((t.count("a"), t.count("b"), t.keys()), (1, 1, 2));
+        t.give_back(second);
+        t.give_back(other);
+        assert_eq!(
+            (t.count("a"), t.count("b"), t.keys(), t.total()),
+            (0, 0, 0, 0)
+        );
+        // The key's next entry has a new id: the old slot frees nothing of it.
+        let _next = t.take(ha, &a, 2).unwrap();
+        t.give_back(first);
+        assert_eq!((t.count("a"), t.keys()), (1, 1));
     }
 
     #[test]

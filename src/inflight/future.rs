@@ -12,7 +12,7 @@ use tower_service::Service;
 
 use super::body::PermitBody;
 use super::{Answer, Held, Pending};
-use crate::answer::{RefusalBody, Refused};
+use crate::answer::{GRPC_STATUS, RefusalBody, Refused};
 
 pin_project! {
     /// The response future of [`ConcurrencyLimit`](crate::concurrency::ConcurrencyLimit) and
@@ -34,19 +34,22 @@ pin_project! {
     where
         S: Service<Request<ReqBody>>,
     {
-        Waiting {
-            pending: Pending,
-            request: Option<Request<ReqBody>>,
-            inner: Option<S>,
-        },
-        Readying {
-            request: Option<Request<ReqBody>>,
-            inner: S,
-            held: Option<Held>,
-        },
+        // The wait is boxed, as its pending admission already is: the future and the
+        // response move on every request, and the path that does not wait should not move
+        // the bytes of one that does.
+        Waiting { wait: Box<Wait<S, ReqBody>> },
         Called { #[pin] future: S::Future, held: Option<Held> },
         Refused { response: Option<Response<ResBody>> },
     }
+}
+
+/// A request that waits for a place (`pending`), then for `inner` to be ready.
+struct Wait<S, ReqBody> {
+    /// `None` once it has given the request its place (`held`).
+    pending: Option<Pending>,
+    request: Option<Request<ReqBody>>,
+    inner: S,
+    held: Option<Held>,
 }
 
 impl<S, ReqBody, ResBody> ResponseFuture<S, ReqBody, ResBody>
@@ -76,9 +79,12 @@ where
     pub(crate) fn waiting(pending: Pending, request: Request<ReqBody>, inner: S) -> Self {
         Self {
             state: State::Waiting {
-                pending,
-                request: Some(request),
-                inner: Some(inner),
+                wait: Box::new(Wait {
+                    pending: Some(pending),
+                    request: Some(request),
+                    inner,
+                    held: None,
+                }),
             },
         }
     }
@@ -94,62 +100,50 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
             let next = match self.as_mut().project().state.project() {
-                StateProj::Waiting {
-                    pending,
-                    request,
-                    inner,
-                } => {
-                    if request.is_none() || inner.is_none() {
+                StateProj::Waiting { wait } => {
+                    if wait.request.is_none() {
                         // Polled again after `call` panicked: nothing left to do but answer.
                         return Poll::Ready(Ok(empty()));
                     }
-                    let outcome = ready!(pending.as_mut().poll(cx));
-                    let (Some(request), Some(inner)) = (request.take(), inner.take()) else {
-                        return Poll::Ready(Ok(empty()));
-                    };
-                    match outcome {
-                        Ok(held) => State::Readying {
-                            request: Some(request),
-                            inner,
-                            held: Some(held),
-                        },
-                        Err(refuse) => {
-                            let (parts, _) = request.into_parts();
-                            State::Refused {
-                                response: Some(refuse(&parts).map(ResBody::refusal)),
+                    if let Some(pending) = &mut wait.pending {
+                        match ready!(pending.as_mut().poll(cx)) {
+                            Ok(held) => {
+                                wait.pending = None;
+                                wait.held = Some(held);
+                            }
+                            Err(refuse) => {
+                                let Some(request) = wait.request.take() else {
+                                    return Poll::Ready(Ok(empty()));
+                                };
+                                let (parts, _) = request.into_parts();
+                                let response = refuse(&parts).map(ResBody::refusal);
+                                self.as_mut().project().state.set(State::Refused {
+                                    response: Some(response),
+                                });
+                                continue;
                             }
                         }
                     }
-                }
-                StateProj::Readying {
-                    request,
-                    inner,
-                    held,
-                } => {
-                    // An error here drops `held`: the place goes back.
-                    ready!(inner.poll_ready(cx))?;
-                    let (Some(request), Some(held)) = (request.take(), held.take()) else {
+                    if let Err(error) = ready!(wait.inner.poll_ready(cx)) {
+                        // The place goes back at once.
+                        wait.held = None;
+                        return Poll::Ready(Err(error));
+                    }
+                    let (Some(request), Some(held)) = (wait.request.take(), wait.held.take())
+                    else {
                         return Poll::Ready(Ok(empty()));
                     };
                     // Should `call` panic, `held` is dropped on the way out: nothing leaks.
                     State::Called {
-                        future: inner.call(request),
+                        future: wait.inner.call(request),
                         held: Some(held),
                     }
                 }
                 StateProj::Called { future, held } => {
                     let result = ready!(future.poll(cx));
                     let mut held = held.take();
-                    let answer = match &result {
-                        Ok(r) if r.extensions().get::<Refused>().is_some() => Answer::Refused,
-                        Ok(r) if client_error(r) => Answer::ClientError,
-                        Ok(r) => Answer::Served {
-                            failed: overloaded(r),
-                        },
-                        Err(_) => Answer::Served { failed: true },
-                    };
-                    if let Some(held) = &mut held {
-                        held.answered(answer);
+                    if let Some(held) = held.as_mut().filter(|held| held.learns()) {
+                        held.answered(answer_of(&result));
                     }
                     // An error gives the place back here; a response hands it to its body.
                     return Poll::Ready(
@@ -169,31 +163,31 @@ where
     }
 }
 
-/// Whether an answer says the service is overloaded: a 503 or a 504, or gRPC's `UNAVAILABLE`
-/// (14) or `DEADLINE_EXCEEDED` (4) in the head of an HTTP 200 (a trailers-only answer, as gRPC
-/// servers send an error before any message). A `grpc-status` in trailers after a body is not
-/// read: the request is timed when its head arrives.
-fn overloaded<B>(response: &Response<B>) -> bool {
-    match response.status().as_u16() {
-        503 | 504 => true,
-        200 => response
-            .headers()
-            .get("grpc-status")
-            .is_some_and(|v| matches!(v.as_bytes(), b"14" | b"4")),
-        _ => false,
+/// How the inner service answered, as the shedder learns from it: a tollgate refusal; a
+/// client error (a 4xx, or in the head of an HTTP 200 gRPC's `INVALID_ARGUMENT` (3),
+/// `NOT_FOUND` (5), `PERMISSION_DENIED` (7) or `UNAUTHENTICATED` (16)); or served, failed when
+/// the service is overloaded (an error, a 503 or a 504, or gRPC's `UNAVAILABLE` (14) or
+/// `DEADLINE_EXCEEDED` (4) in the head of an HTTP 200: a trailers-only answer, as gRPC servers
+/// send an error before any message). A `grpc-status` in trailers after a body is not read:
+/// the request is timed when its head arrives.
+fn answer_of<B, E>(result: &Result<Response<B>, E>) -> Answer {
+    let response = match result {
+        Ok(response) => response,
+        Err(_) => return Answer::Served { failed: true },
+    };
+    if response.extensions().get::<Refused>().is_some() {
+        return Answer::Refused;
     }
-}
-
-/// Whether an answer is the client's error: a 4xx, or in the head of an HTTP 200 gRPC's
-/// `INVALID_ARGUMENT` (3), `NOT_FOUND` (5), `PERMISSION_DENIED` (7) or `UNAUTHENTICATED` (16).
-fn client_error<B>(response: &Response<B>) -> bool {
     match response.status().as_u16() {
-        400..=499 => true,
-        200 => response
-            .headers()
-            .get("grpc-status")
-            .is_some_and(|v| matches!(v.as_bytes(), b"3" | b"5" | b"7" | b"16")),
-        _ => false,
+        400..=499 => Answer::ClientError,
+        503 | 504 => Answer::Served { failed: true },
+        // The header's name is a constant: a name given as text would be parsed per response.
+        200 => match response.headers().get(GRPC_STATUS).map(|v| v.as_bytes()) {
+            Some(b"3" | b"5" | b"7" | b"16") => Answer::ClientError,
+            Some(b"14" | b"4") => Answer::Served { failed: true },
+            _ => Answer::Served { failed: false },
+        },
+        _ => Answer::Served { failed: false },
     }
 }
 

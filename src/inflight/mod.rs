@@ -62,6 +62,13 @@ pub(crate) enum Answer {
 }
 
 impl Held {
+    /// Whether the inner service's answer teaches anything: to a shedder that times its
+    /// requests (a concurrency permit, or a fixed shedder without deadlines, learns nothing,
+    /// and the answer need not be read).
+    pub(crate) fn learns(&self) -> bool {
+        matches!(self, Held::Shed(guard) if guard.learns())
+    }
+
     /// The inner service answered: the shedder learns from it.
     pub(crate) fn answered(&mut self, answer: Answer) {
         if let Held::Shed(guard) = self {

@@ -374,6 +374,8 @@ impl LoadShedLayerBuilder {
                 name: self.name.into(),
                 telemetry,
                 limit: AtomicU32::new(limit),
+                learns: !matches!(self.limit.kind, LimitKind::Fixed)
+                    || queue.as_ref().is_some_and(Queue::has_deadlines),
                 controller: Mutex::new(controller),
                 in_flight: AtomicU32::new(0),
                 shares: self.shares,

@@ -29,6 +29,10 @@ pub(crate) struct Shared {
     /// The controller's limit, read on every request without its lock.
     pub(super) limit: AtomicU32,
     pub(super) controller: Mutex<Controller>,
+    /// Whether requests are timed: for an adaptive limit, or for the clients' deadlines (the
+    /// time the service typically takes). A fixed limit without deadlines reads no clock and
+    /// takes no lock per request.
+    pub(super) learns: bool,
     pub(super) in_flight: AtomicU32,
     /// Each class's share of capacity, in thousandths.
     pub(super) shares: [u16; 4],
@@ -111,10 +115,15 @@ pub(crate) struct Guard {
 }
 
 impl Guard {
+    /// Whether the service's answers teach the shedder anything (see [`Shared::learns`]).
+    pub(crate) fn learns(&self) -> bool {
+        self.place.shared.learns
+    }
+
     /// The inner service answered: the adaptive limit learns how long it took, unless a
     /// tollgate layer inside refused the request.
     pub(crate) fn answered(&mut self, answer: Answer) {
-        if std::mem::replace(&mut self.answered, true) {
+        if std::mem::replace(&mut self.answered, true) || !self.place.shared.learns {
             return;
         }
         if let Answer::Served { failed } = answer {
@@ -167,7 +176,7 @@ impl Drop for Guard {
         // Dropped before the service answered (the client went away, a timeout fired): its
         // time so far is a sample too, or a service that hangs would teach nothing. The place
         // is given back after this, as the field is dropped.
-        if !self.answered {
+        if !self.answered && self.place.shared.learns {
             self.sample(false, true);
         }
     }
@@ -314,7 +323,7 @@ impl Shared {
         self.admitted[class.index()].fetch_add(1, Ordering::Relaxed);
         Guard {
             place,
-            started: self.clock.now(),
+            started: if self.learns { self.clock.now() } else { 0 },
             in_flight,
             route,
             answered: false,
