@@ -129,6 +129,7 @@
 
 mod classify;
 mod deadline;
+mod fair;
 mod layer;
 mod limit;
 mod queue;

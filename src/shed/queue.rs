@@ -21,9 +21,9 @@ use tokio::sync::oneshot;
 
 use super::classify::Criticality;
 use super::deadline::parse_timeout;
+use super::fair::Table;
 use super::layer::{NoPlace, Place, Reason, Shared, Shed};
 use crate::inflight::{Admitted, Held, Refuse};
-use crate::key::Key;
 use crate::sync::{AtomicU64, AtomicUsize, Mutex};
 
 /// How often the queue is served again while the count in flight keeps moving under it,
@@ -113,7 +113,7 @@ impl Queue {
     }
 
     fn push(&self, state: &mut State, waiter: Waiter) {
-        if let Some((hash, _)) = &waiter.tenant {
+        if let Some(hash) = &waiter.tenant {
             *state.tenants.entry(*hash).or_default() += 1;
         }
         state.waiters.push_back(waiter);
@@ -129,7 +129,7 @@ impl Queue {
     /// Counts `waiter`, taken out of `state.waiters`, as gone.
     fn removed(&self, state: &mut State, waiter: &Waiter) {
         self.len.store(state.waiters.len(), Ordering::SeqCst);
-        if let Some((hash, _)) = &waiter.tenant {
+        if let Some(hash) = &waiter.tenant {
             if let Some(n) = state.tenants.get_mut(hash) {
                 *n -= 1;
                 if *n == 0 {
@@ -181,7 +181,7 @@ struct Waiter {
     class: Criticality,
     /// When it joined the queue, on the layer's clock.
     since: u64,
-    tenant: Option<(u64, Key)>,
+    tenant: Option<u64>,
     outcome: oneshot::Sender<Outcome>,
 }
 
@@ -297,7 +297,7 @@ impl Shared {
         queue: &Queue,
         parts: &Parts,
         class: Criticality,
-        tenant: Option<(u64, Key)>,
+        tenant: Option<u64>,
     ) -> Result<Admitted, Shed> {
         let shed = |reason| Shed { class, reason };
         let budget = self.budget(queue, parts);
@@ -312,7 +312,7 @@ impl Shared {
             let Some(at) = self.serve(queue, &mut state, now) else {
                 break;
             };
-            taken = self.take(class, tenant.as_ref(), Some(at));
+            taken = self.take(class, tenant, Some(at));
             if !matches!(taken, Err(NoPlace::Moved)) {
                 break;
             }
@@ -336,14 +336,18 @@ impl Shared {
         if state.waiters.len() >= queue.max {
             return Err(shed(Reason::QueueFull));
         }
-        if let (Some(fair), Some((hash, key))) = (&self.fair, &tenant) {
+        if let (Some(fair), Some(hash)) = (&self.fair, tenant) {
             // Near capacity a tenant may have its fair share in flight and waiting, no more: a
             // noisy tenant cannot fill the queue.
             let limit = u64::from(self.limit.load(Ordering::Relaxed));
             let in_flight = self.in_flight.load(Ordering::SeqCst);
-            let waiting = state.tenants.get(hash).copied().unwrap_or(0);
-            let held = fair.tenants.count(key.as_str()).saturating_add(waiting);
-            if held >= self.fair_share(fair, in_flight, limit, key) {
+            let waiting = state.tenants.get(&hash).copied().unwrap_or(0);
+            let over = fair.tenants.with(|table| {
+                let held = table.get(hash).held.saturating_add(waiting);
+                u64::from(in_flight) * 1000 >= limit * fair.from
+                    && held >= fair.share(limit, table.recent())
+            });
+            if over {
                 return Err(shed(Reason::Unfair));
             }
         }
@@ -418,20 +422,26 @@ impl Shared {
             if state.waiters.is_empty() || in_flight >= self.threshold(self.widest, limit) {
                 return Some(in_flight);
             }
-            let fits = |w: &Waiter| {
+            let fits = |w: &Waiter, table: Option<&Table>| {
                 in_flight < self.threshold(w.class, limit)
-                    && match (&self.fair, &w.tenant) {
-                        (Some(fair), Some((_, key))) => {
-                            fair.tenants.count(key.as_str())
-                                < self.fair_share(fair, in_flight, limit, key)
+                    && match (&self.fair, w.tenant, table) {
+                        (Some(fair), Some(hash), Some(table)) => {
+                            fair.allows(in_flight, limit, &table.get(hash), table)
                         }
                         _ => true,
                     }
             };
-            let found = if queue.newest_first(state) {
-                state.waiters.iter().rposition(fits)
-            } else {
-                state.waiters.iter().position(fits)
+            let newest_first = queue.newest_first(state);
+            let find = |table: Option<&Table>| {
+                if newest_first {
+                    state.waiters.iter().rposition(|w| fits(w, table))
+                } else {
+                    state.waiters.iter().position(|w| fits(w, table))
+                }
+            };
+            let found = match &self.fair {
+                Some(fair) => fair.tenants.with(|table| find(Some(table))),
+                None => find(None),
             };
             // Out of the queue while it takes its place, but still counted as waiting (so that
             // a newcomer does not take the place on the way that skips the queue).
@@ -439,7 +449,7 @@ impl Shared {
             else {
                 return Some(in_flight);
             };
-            let in_flight = match self.take(waiter.class, waiter.tenant.as_ref(), Some(in_flight)) {
+            let in_flight = match self.take(waiter.class, waiter.tenant, Some(in_flight)) {
                 Ok(in_flight) => in_flight,
                 Err(_) => {
                     // The count moved since it was read (a place came back, or a request that

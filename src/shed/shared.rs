@@ -10,12 +10,12 @@ use http::request::Parts;
 use http::{Response, StatusCode};
 
 use super::classify::{Classifier, Criticality};
+use super::fair::{Table, Tenant, Tenants};
 use super::limit::{Controller, Sample};
 use super::queue::Queue;
 use super::telemetry::{Reason, Shed, Telemetry};
 use crate::answer::{Rejection, RejectionKind, Responder};
 use crate::clock::Clock;
-use crate::concurrency::table::InFlight;
 use crate::inflight::{Admitted, Answer, Held};
 use crate::key::{Key, KeyExtractor};
 use crate::sync::{AtomicU32, AtomicU64, Mutex};
@@ -53,22 +53,57 @@ pub(crate) struct Shared {
 
 pub(super) struct Fair {
     pub(super) key: Box<dyn KeyExtractor>,
-    pub(super) tenants: InFlight,
+    pub(super) tenants: Tenants,
     /// The share of capacity past which fairness applies, in thousandths.
     pub(super) from: u64,
+    /// The most of the limit one tenant may hold, in thousandths (1000: no cap).
+    pub(super) cap: u64,
+}
+
+impl Fair {
+    /// A tenant's fair share of `limit` among `recent` tenants: the limit divided among them
+    /// (at least one place), within the cap.
+    pub(super) fn share(&self, limit: u64, recent: u32) -> u32 {
+        let share = (limit / u64::from(recent.max(1))).max(1);
+        u32::try_from(share.min(self.cap_places(limit))).unwrap_or(u32::MAX)
+    }
+
+    /// The most places one tenant may hold under `limit`.
+    pub(super) fn cap_places(&self, limit: u64) -> u64 {
+        (limit * self.cap / 1000).max(1)
+    }
+
+    /// Whether `tenant` may take one more place when `before` are in flight under `limit`:
+    /// always below its fair share (and the cap); at or above it, never past `fair_from`, and
+    /// below it only while that leaves a place free for each recent tenant that holds none
+    /// (for at most half the limit).
+    pub(super) fn allows(&self, before: u32, limit: u64, tenant: &Tenant, table: &Table) -> bool {
+        let held = u64::from(tenant.held);
+        if held >= self.cap_places(limit) {
+            return false;
+        }
+        if tenant.held < self.share(limit, table.recent()) {
+            return true;
+        }
+        if u64::from(before) * 1000 >= limit * self.from {
+            return false;
+        }
+        let free_after = limit.saturating_sub(u64::from(before) + 1);
+        free_after >= u64::from(table.empty()).min(limit / 2)
+    }
 }
 
 /// A place in flight, and its tenant's place with fairness; dropping it gives both back, the
 /// place to a waiter first.
 pub(crate) struct Place {
     shared: Arc<Shared>,
-    tenant: Option<(u64, Key)>,
+    tenant: Option<u64>,
     /// False once given back by hand.
     armed: bool,
 }
 
 impl Place {
-    pub(super) fn new(shared: &Arc<Shared>, tenant: Option<(u64, Key)>) -> Self {
+    pub(super) fn new(shared: &Arc<Shared>, tenant: Option<u64>) -> Self {
         shared.telemetry.in_flight.increment();
         Place {
             shared: Arc::clone(shared),
@@ -81,7 +116,7 @@ impl Place {
     /// to the waiters (the caller is serving them).
     pub(super) fn give_back_locked(mut self) {
         self.armed = false;
-        self.shared.release_tenant(self.tenant.as_ref());
+        self.shared.release_tenant(self.tenant);
         self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
         self.shared.telemetry.in_flight.decrement();
     }
@@ -90,7 +125,7 @@ impl Place {
 impl Drop for Place {
     fn drop(&mut self) {
         if self.armed {
-            self.shared.release_tenant(self.tenant.as_ref());
+            self.shared.release_tenant(self.tenant);
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
             self.shared.telemetry.in_flight.decrement();
             self.shared.serve_waiters();
@@ -209,7 +244,7 @@ impl Shared {
             // Requests wait: the queue decides, so that this one cannot overtake them.
             return self.enqueue(queue, parts, class, tenant);
         }
-        match self.take(class, tenant.as_ref(), None) {
+        match self.take(class, tenant, None) {
             Ok(in_flight) => {
                 let guard = self.guard(class, Place::new(self, tenant), in_flight);
                 Ok(Admitted::Now(Held::Shed(guard)))
@@ -232,8 +267,9 @@ impl Shared {
         }
     }
 
-    /// The tenant of a request, with fairness: its key's hash and its key.
-    fn tenant(&self, parts: &Parts) -> Option<(u64, Key)> {
+    /// The tenant of a request, with fairness: the hash its places are counted under. It is
+    /// counted among the recent tenants from now on.
+    fn tenant(&self, parts: &Parts) -> Option<u64> {
         let fair = self.fair.as_ref()?;
         let mut key = Key::new();
         if !fair.key.extract_into(parts, &mut key) {
@@ -241,7 +277,8 @@ impl Shared {
         }
         key.push_raw("@tenant");
         let key = crate::concurrency::bounded(key);
-        Some((fair.tenants.hash(key.as_str()), key))
+        let hash = self.hasher.hash_one(key.as_str());
+        Some(fair.tenants.see(hash, self.clock.now()))
     }
 
     /// Takes a place in flight for a request of `class` if its class has room, and its
@@ -251,7 +288,7 @@ impl Shared {
     pub(super) fn take(
         &self,
         class: Criticality,
-        tenant: Option<&(u64, Key)>,
+        tenant: Option<u64>,
         at: Option<u32>,
     ) -> Result<u32, NoPlace> {
         let limit = u64::from(self.limit.load(Ordering::Relaxed));
@@ -269,10 +306,11 @@ impl Shared {
                 .compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst)
                 .map_err(|_| NoPlace::Moved)?,
         };
-        if let (Some(fair), Some((hash, key))) = (&self.fair, tenant) {
+        if let (Some(fair), Some(hash)) = (&self.fair, tenant) {
+            let now = self.clock.now();
             if !fair
                 .tenants
-                .acquire(*hash, key, self.fair_share(fair, before, limit, key))
+                .acquire(hash, now, |t, table| fair.allows(before, limit, t, table))
             {
                 self.in_flight.fetch_sub(1, Ordering::SeqCst);
                 return Err(NoPlace::Unfair);
@@ -287,23 +325,9 @@ impl Shared {
         u32::try_from((limit * share / 1000).max(1)).unwrap_or(u32::MAX)
     }
 
-    /// The most requests in flight the tenant of `key` may have when `before` are in flight:
-    /// its fair share near capacity (the limit divided among the tenants in flight, this one
-    /// counted once), no bound below.
-    pub(super) fn fair_share(&self, fair: &Fair, before: u32, limit: u64, key: &Key) -> u32 {
-        if u64::from(before) * 1000 < limit * fair.from {
-            return u32::MAX;
-        }
-        let mut tenants = u64::try_from(fair.tenants.keys()).unwrap_or(u64::MAX);
-        if fair.tenants.count(key.as_str()) == 0 {
-            tenants = tenants.saturating_add(1);
-        }
-        u32::try_from((limit / tenants.max(1)).max(1)).unwrap_or(u32::MAX)
-    }
-
-    fn release_tenant(&self, tenant: Option<&(u64, Key)>) {
-        if let (Some((hash, key)), Some(fair)) = (tenant, &self.fair) {
-            fair.tenants.release(*hash, key);
+    fn release_tenant(&self, tenant: Option<u64>) {
+        if let (Some(hash), Some(fair)) = (tenant, &self.fair) {
+            fair.tenants.release(hash, self.clock.now());
         }
     }
 
