@@ -175,7 +175,6 @@ impl Tenants {
 
     /// A request of `hash` joins the queue if `allows` (given its entry and the table) says
     /// so; whether it did.
-    #[cfg_attr(not(test), allow(dead_code))] // the fair queue's, next
     pub(super) fn enter_queue(
         &self,
         hash: u64,
@@ -191,7 +190,6 @@ impl Tenants {
     }
 
     /// A request of `hash` left the queue at `now`.
-    #[cfg_attr(not(test), allow(dead_code))] // the fair queue's, next
     pub(super) fn leave_queue(&self, hash: u64, now: u64) {
         let mut table = self.table.lock();
         if let Some(t) = table.entries.get_mut(&hash) {

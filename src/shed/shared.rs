@@ -61,10 +61,10 @@ pub(super) struct Fair {
 }
 
 impl Fair {
-    /// A tenant's fair share of `limit` among `recent` tenants: the limit divided among them
-    /// (at least one place), within the cap.
+    /// A tenant's fair share of `limit` among `recent` tenants: the limit divided among them,
+    /// rounded up (so that the shares cover the limit), within the cap.
     pub(super) fn share(&self, limit: u64, recent: u32) -> u32 {
-        let share = (limit / u64::from(recent.max(1))).max(1);
+        let share = limit.div_ceil(u64::from(recent.max(1))).max(1);
         u32::try_from(share.min(self.cap_places(limit))).unwrap_or(u32::MAX)
     }
 
@@ -75,8 +75,8 @@ impl Fair {
 
     /// Whether `tenant` may take one more place when `before` are in flight under `limit`:
     /// always below its fair share (and the cap); at or above it, never past `fair_from`, and
-    /// below it only while that leaves a place free for each recent tenant that holds none
-    /// (for at most half the limit).
+    /// below it only while that leaves the fair share of each recent tenant that holds none
+    /// free (at most half the limit).
     pub(super) fn allows(&self, before: u32, limit: u64, tenant: &Tenant, table: &Table) -> bool {
         let held = u64::from(tenant.held);
         if held >= self.cap_places(limit) {
@@ -89,7 +89,8 @@ impl Fair {
             return false;
         }
         let free_after = limit.saturating_sub(u64::from(before) + 1);
-        free_after >= u64::from(table.empty()).min(limit / 2)
+        let reserve = u64::from(table.empty()) * u64::from(self.share(limit, table.recent()));
+        free_after >= reserve.min(limit / 2)
     }
 }
 
