@@ -13,7 +13,7 @@ use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use tokio::sync::Semaphore;
 use tollgate::LoadShedLayer;
-use tollgate::clock::TokioClock;
+use tollgate::clock::{ManualClock, TokioClock};
 use tollgate::key::Header;
 use tollgate::shed::{ByHeader, Criticality, Discipline, Limit, ShedError};
 use tower::{Layer, ServiceExt};
@@ -2097,3 +2097,34 @@ async fn a_tenant_that_fills_the_queue_does_not_delay_the_others() {
     assert!((f - a).abs() <= a / 10.0, "{alone:?} / {flooded:?}");
 }
 
+/// The queue's wait runs on the layer's clock: with a manual clock, tokio's time passing does
+/// not end it, and moving the clock to its end does, at once. Before, the wait slept on
+/// tokio's timer for durations read on the layer's clock, so it ended only once tokio's time
+/// had passed too.
+#[tokio::test(start_paused = true)]
+async fn the_queue_waits_on_the_layers_clock() {
+    let clock = ManualClock::new();
+    let shed = LoadShedLayer::builder(Limit::fixed(1))
+        .queue(4, Duration::from_millis(100))
+        .codel(Duration::from_secs(1), Duration::from_secs(1))
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let first = service.clone().oneshot(get()).await.unwrap();
+    let waiter = tokio::spawn(service.clone().oneshot(get()));
+    settle().await;
+    assert_eq!(shed.queued(), 1);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(shed.queued(), 1, "tokio's time does not end it");
+    clock.advance(Duration::from_millis(99));
+    settle().await;
+    assert!(!waiter.is_finished());
+    clock.advance(Duration::from_millis(1));
+    settle().await;
+    assert!(waiter.is_finished(), "the clock reached its end");
+    let answer = waiter.await.unwrap().unwrap();
+    assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(shed.stats().timed_out(Criticality::Critical), 1);
+    drop(first);
+}

@@ -281,8 +281,11 @@ impl LoadShedLayerBuilder {
     /// wait: nothing tells when they would have room.
     ///
     /// `max_wait` bounds the latency the queue adds: keep it well under your clients'
-    /// timeouts. The wait runs on tokio's timer. No queue unless set; both numbers must be
-    /// above zero.
+    /// timeouts. The wait runs on the layer's [`clock`](LoadShedLayerBuilder::clock): tokio's
+    /// timer for clocks that keep its pace (the system's, [`TokioClock`](crate::clock::TokioClock)),
+    /// the clock's own wait otherwise ([`Clock::sleep_until`]; a
+    /// [`ManualClock`](crate::clock::ManualClock) ends it when advanced). No queue unless set;
+    /// both numbers must be above zero.
     pub fn queue(mut self, max_queued: usize, max_wait: Duration) -> Self {
         self.queue = Some((max_queued, max_wait));
         self

@@ -604,12 +604,19 @@ async fn wait(
         } else {
             deadline
         };
-        let mut sleep = pin!(tokio::time::sleep(Duration::from_nanos(
-            look_at.saturating_sub(now)
-        )));
+        // On the layer's clock: its own wait, or tokio's timer for one that keeps its pace.
+        let mut own = shared.clock.sleep_until(look_at);
+        let mut timer =
+            pin!(own.is_none().then(|| {
+                tokio::time::sleep(Duration::from_nanos(look_at.saturating_sub(now)))
+            }));
         let outcome = poll_fn(|cx| match Pin::new(&mut ticket.outcome).poll(cx) {
             Poll::Ready(outcome) => Poll::Ready(Some(outcome)),
-            Poll::Pending => sleep.as_mut().poll(cx).map(|()| None),
+            Poll::Pending => match (own.as_mut(), timer.as_mut().as_pin_mut()) {
+                (Some(own), _) => own.as_mut().poll(cx).map(|()| None),
+                (None, Some(timer)) => timer.poll(cx).map(|()| None),
+                (None, None) => Poll::Ready(None),
+            },
         })
         .await;
         match outcome {
