@@ -2128,3 +2128,55 @@ async fn the_queue_waits_on_the_layers_clock() {
     assert_eq!(shed.stats().timed_out(Criticality::Critical), 1);
     drop(first);
 }
+
+/// `fair_cap`: one tenant holds at most its cap of the limit, even alone on an idle service,
+/// so the next tenant finds the rest; a cap outside [0.001, 1] is refused when built.
+#[tokio::test]
+async fn a_capped_tenant_leaves_the_rest_to_the_others() {
+    let shed = LoadShedLayer::builder(Limit::fixed(10))
+        .share(Criticality::Critical, 1.0)
+        .fair_by(Header::from_static("x-tenant"))
+        .fair_cap(0.5)
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let mut held = Vec::new();
+    let statuses = |tenant: &str, n: usize, held: &mut Vec<_>| {
+        let mut ok = 0;
+        for _ in 0..n {
+            let answer = futures_ready(service.clone().oneshot(with("x-tenant", tenant))).unwrap();
+            if answer.status() == StatusCode::OK {
+                ok += 1;
+                held.push(answer);
+            }
+        }
+        ok
+    };
+    assert_eq!(statuses("long", 10, &mut held), 5, "alone, capped at half");
+    assert_eq!(
+        statuses("next", 10, &mut held),
+        5,
+        "the rest is the next one's"
+    );
+    assert_eq!(shed.in_flight(), 10);
+    for cap in [0.0, 1.5, f64::NAN] {
+        let error = LoadShedLayer::builder(Limit::fixed(10))
+            .fair_cap(cap)
+            .build()
+            .unwrap_err();
+        assert!(matches!(error, ShedError::InvalidFairCap(_)), "{error}");
+    }
+}
+
+/// The answer of a future that is ready at once (the shedder's answers without a queue).
+fn futures_ready<F: Future>(future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    let waker = std::task::Waker::noop();
+    match future
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(waker))
+    {
+        std::task::Poll::Ready(output) => output,
+        std::task::Poll::Pending => panic!("not ready at once"),
+    }
+}

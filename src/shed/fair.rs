@@ -61,6 +61,16 @@ impl Table {
         u32::try_from(self.empty).unwrap_or(u32::MAX)
     }
 
+    /// Places held and requests waiting, over every tenant, and the entries holding none
+    /// (counted, and as kept).
+    #[cfg(test)]
+    pub(super) fn totals(&self) -> (u32, u32, usize, usize) {
+        let held = self.entries.values().map(|t| t.held).sum();
+        let waiting = self.entries.values().map(|t| t.waiting).sum();
+        let empty = self.entries.values().filter(|t| t.held == 0).count();
+        (held, waiting, empty, self.empty)
+    }
+
     /// The entry of `hash` (a tenant with no entry holds nothing).
     pub(super) fn get(&self, hash: u64) -> Tenant {
         self.entries.get(&hash).copied().unwrap_or_default()
@@ -227,6 +237,7 @@ mod tests {
             "expired"
         );
         assert_eq!(t.with(|t| (t.recent(), t.empty())), (1, 1));
+        assert_eq!(t.with(|t| t.totals()), (0, 0, 1, 1));
     }
 
     /// Past the bound, new tenants share the overflow entry; a hash of 0 is not it.

@@ -488,6 +488,78 @@ mod model_checks {
         );
     }
 
+    /// With fairness, tenants arriving and leaving on their own threads while a place comes
+    /// back: every place and every waiter is counted to its tenant and given back, so the
+    /// tenant table ends holding nothing (and its count of tenants holding none is right).
+    #[test]
+    fn tenants_get_every_place_back() {
+        shuttle::check_pct(
+            || {
+                let clock = ManualClock::new();
+                clock.advance(Duration::from_secs(1));
+                let layer = LoadShedLayer::builder(Limit::fixed(1))
+                    .share(Criticality::Critical, 1.0)
+                    .fair_by(crate::key::Header::from_static("x-tenant"))
+                    .queue(4, Duration::from_secs(60))
+                    .clock(clock)
+                    .build()
+                    .unwrap();
+                let shared = layer.shared;
+                let request = |tenant: &str| {
+                    http::Request::get("/")
+                        .header("x-tenant", tenant)
+                        .body(())
+                        .unwrap()
+                        .into_parts()
+                        .0
+                };
+                let first = match shared.admit(&request("a")) {
+                    Ok(Admitted::Now(Held::Shed(guard))) => guard,
+                    _ => panic!("the first request is admitted"),
+                };
+                let threads: Vec<_> = ["a", "b", "c"]
+                    .into_iter()
+                    .map(|tenant| {
+                        let shared = Arc::clone(&shared);
+                        let parts = request(tenant);
+                        shuttle::thread::spawn(move || match shared.admit(&parts) {
+                            Ok(Admitted::Now(mut held)) => {
+                                held.answered(Answer::Served { failed: false });
+                                None
+                            }
+                            Ok(Admitted::Later(wait)) => Some(wait),
+                            // Its tenant over its share: shed, holding nothing.
+                            Err(_) => None,
+                        })
+                    })
+                    .collect();
+                drop(first);
+                let waits: Vec<Pending> = threads
+                    .into_iter()
+                    .filter_map(|t| t.join().unwrap())
+                    .collect();
+                let leaving: Vec<_> = waits
+                    .into_iter()
+                    .map(|wait| shuttle::thread::spawn(move || drop(wait)))
+                    .collect();
+                for thread in leaving {
+                    thread.join().unwrap();
+                }
+                let queue = shared.queue.as_ref().unwrap();
+                assert_eq!(
+                    (shared.in_flight.load(Ordering::SeqCst), queue.len()),
+                    (0, 0)
+                );
+                let fair = shared.fair.as_ref().unwrap();
+                let (held, waiting, empty, counted) = fair.tenants.with(|t| t.totals());
+                assert_eq!((held, waiting), (0, 0));
+                assert_eq!(empty, counted);
+            },
+            crate::sync::pct_runs(),
+            3,
+        );
+    }
+
     #[test]
     fn a_limit_that_grows_serves_the_waiters() {
         shuttle::check_pct(
