@@ -2180,3 +2180,60 @@ fn futures_ready<F: Future>(future: F) -> F::Output {
         std::task::Poll::Pending => panic!("not ready at once"),
     }
 }
+
+/// Below `fair_from` a tenant may no longer fill the queue: with seven places held (the
+/// `sheddable` class full, the service below the 80 % where fairness applies in flight), a
+/// flood of sheddable requests from one tenant takes its share of the queue's places (half of
+/// six, with two tenants seen), and another tenant's request still finds a place in the
+/// queue and is served within two completions. Before, the flood filled the queue and the
+/// other tenant was shed.
+#[tokio::test(start_paused = true)]
+async fn a_tenant_cannot_fill_the_queue_below_fair_from() {
+    let shed = queued(10, 6, Duration::from_secs(1))
+        .classify(ByHeader::from_static("x-criticality"))
+        .fair_by(Header::from_static("x-tenant"))
+        .discipline(Discipline::Fifo)
+        .build()
+        .unwrap();
+    let service = instant(&shed);
+    let request = |tenant: &str| {
+        let mut request = with("x-tenant", tenant);
+        request
+            .headers_mut()
+            .insert("x-criticality", http::HeaderValue::from_static("sheddable"));
+        request
+    };
+    let mut held = Vec::new();
+    for _ in 0..7 {
+        held.push(service.clone().oneshot(request("base")).await.unwrap());
+    }
+    assert!(held.iter().all(|r| r.status() == StatusCode::OK));
+    let flood: Vec<_> = (0..10)
+        .map(|_| spawn_timed(service.clone(), request("flood")))
+        .collect();
+    settle().await;
+    let flood_queued = shed.queued();
+    let other = spawn_timed(service.clone(), request("other"));
+    settle().await;
+    eprintln!(
+        "a sheddable flood below fair_from: {flood_queued} of its 10 queued (the queue holds 6); \
+         the other tenant queued: {}",
+        shed.queued() > flood_queued
+    );
+    assert_eq!(flood_queued, 3, "its share of the queue");
+    assert_eq!(shed.queued(), 4, "the other tenant waits");
+    // Places given back one by one, 10 ms apart: the other tenant's turn comes within two.
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        held.pop();
+        settle().await;
+    }
+    assert!(other.is_finished());
+    let (answer, waited) = other.await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    assert!(waited <= Duration::from_millis(20), "{waited:?}");
+    drop(held);
+    for waiter in flood {
+        let _ = waiter.await.unwrap();
+    }
+}
