@@ -104,13 +104,15 @@
 //!    fairness.
 //! 2. **Tenants at or above their fair share give way.** Once `fair_from` of the limit is in
 //!    flight (0.8 by default), a request of a tenant holding its fair share or more is
-//!    refused. Below `fair_from`, it takes a place only while that leaves free the fair share
-//!    of each remembered tenant that holds no place (together at most half the limit). With
-//!    `fair_cap`, no tenant ever holds more than the cap.
+//!    refused. Below `fair_from`, it takes a place only while that leaves free, within its
+//!    class's share of capacity, the fair share of each remembered tenant that holds no place
+//!    (together at most half the limit). With `fair_cap`, no tenant ever holds more than the
+//!    cap.
 //! 3. **So a small tenant gets the next places given back.** A tenant that holds less than its
-//!    fair share and finds every place taken by tenants over theirs is admitted at its next
-//!    ask after a place is given back (with a queue, it waits and is handed the place): the
-//!    k-th such newcomer within k completions of any request. In `tests/shed.rs`, a tenant
+//!    fair share and finds every place its class may use taken, by tenants over their shares
+//!    past `fair_from`, is admitted at its next ask after a place is given back (with a queue,
+//!    it waits and is handed the place): the k-th such newcomer within k completions of any
+//!    request, as no tenant over its share takes a place meanwhile. In `tests/shed.rs`, a tenant
 //!    holding 18 of 20 places with requests of 1 s: five newcomers got the first five places
 //!    given back, and the noisy tenant none meanwhile (before this promise they waited until
 //!    the noisy tenant's requests ended).

@@ -484,7 +484,8 @@ impl Shared {
                 in_flight < self.threshold(w.class, limit)
                     && match (&self.fair, w.tenant, table) {
                         (Some(fair), Some(hash), Some(table)) => {
-                            fair.allows(in_flight, limit, &table.get(hash), table)
+                            let room = self.threshold(w.class, limit);
+                            fair.allows((in_flight, room), limit, &table.get(hash), table)
                         }
                         _ => true,
                     }

@@ -73,11 +73,18 @@ impl Fair {
         (limit * self.cap / 1000).max(1)
     }
 
-    /// Whether `tenant` may take one more place when `before` are in flight under `limit`:
-    /// always below its fair share (and the cap); at or above it, never past `fair_from`, and
-    /// below it only while that leaves the fair share of each recent tenant that holds none
-    /// free (at most half the limit).
-    pub(super) fn allows(&self, before: u32, limit: u64, tenant: &Tenant, table: &Table) -> bool {
+    /// Whether `tenant` may take one more place of a class whose room is `room` places, when
+    /// `before` are in flight under `limit`: always below its fair share (and the cap); at or
+    /// above it, never past `fair_from`, and below it only while that leaves free, within the
+    /// class's room, the fair share of each recent tenant that holds none (at most half the
+    /// limit).
+    pub(super) fn allows(
+        &self,
+        (before, room): (u32, u32),
+        limit: u64,
+        tenant: &Tenant,
+        table: &Table,
+    ) -> bool {
         let held = u64::from(tenant.held);
         if held >= self.cap_places(limit) {
             return false;
@@ -88,7 +95,7 @@ impl Fair {
         if u64::from(before) * 1000 >= limit * self.from {
             return false;
         }
-        let free_after = limit.saturating_sub(u64::from(before) + 1);
+        let free_after = u64::from(room).saturating_sub(u64::from(before) + 1);
         let reserve = u64::from(table.empty()) * u64::from(self.share(limit, table.recent()));
         free_after >= reserve.min(limit / 2)
     }
@@ -309,10 +316,9 @@ impl Shared {
         };
         if let (Some(fair), Some(hash)) = (&self.fair, tenant) {
             let now = self.clock.now();
-            if !fair
-                .tenants
-                .acquire(hash, now, |t, table| fair.allows(before, limit, t, table))
-            {
+            if !fair.tenants.acquire(hash, now, |t, table| {
+                fair.allows((before, threshold), limit, t, table)
+            }) {
                 self.in_flight.fetch_sub(1, Ordering::SeqCst);
                 return Err(NoPlace::Unfair);
             }
