@@ -98,9 +98,11 @@
 //! [`fair_cap`](LoadShedLayerBuilder::fair_cap) of the limit when that is set. This is what a
 //! tenant is promised:
 //!
-//! 1. **A tenant below its fair share is never refused for fairness.** It is refused only when
-//!    its class has no place free and it cannot wait (no queue, the queue is full of
-//!    waiters of its class or above, or its deadline leaves no time): as it would be without
+//! 1. **A tenant below its fair share is never refused for fairness.** A request of a tenant
+//!    whose places held and requests waiting are fewer than its fair share (and whose
+//!    requests waiting are fewer than its share of the queue, point 4) is refused only when
+//!    its class has no place free and it cannot wait (no queue, the queue is full of waiters
+//!    of its class or above, or its deadline leaves no time): as it would be without
 //!    fairness.
 //! 2. **Tenants at or above their fair share give way.** Once `fair_from` of the limit is in
 //!    flight (0.8 by default), a request of a tenant holding its fair share or more is
