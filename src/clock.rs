@@ -16,6 +16,8 @@
 //! ```
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -27,11 +29,25 @@ use std::time::Duration;
 pub trait Clock: Send + Sync + 'static {
     /// Nanoseconds since this clock's origin.
     fn now(&self) -> u64;
+
+    /// A wait until this clock reads `at` or later, for the waits timed on it (the shedder's
+    /// queue). `None`, the default, says that the clock keeps pace with tokio's timer, which
+    /// then times the wait (the waiter reads the clock again when it wakes, and waits again if
+    /// it is early). A clock that moves otherwise returns its own wait, as [`ManualClock`]
+    /// does (it ends when the clock is advanced past `at`).
+    fn sleep_until(&self, at: u64) -> Option<Pin<Box<dyn Future<Output = ()> + Send + '_>>> {
+        let _ = at;
+        None
+    }
 }
 
 impl<C: Clock> Clock for Arc<C> {
     fn now(&self) -> u64 {
         (**self).now()
+    }
+
+    fn sleep_until(&self, at: u64) -> Option<Pin<Box<dyn Future<Output = ()> + Send + '_>>> {
+        (**self).sleep_until(at)
     }
 }
 
@@ -122,10 +138,14 @@ impl Clock for TokioClock {
 
 /// A clock that moves only when told to, for tests and simulations.
 ///
-/// It starts at zero. Clones share one time line: advancing any of them advances all.
+/// It starts at zero. Clones share one time line: advancing any of them advances all. Waits
+/// timed on it (a shedder's queue) end when it is advanced or set past their end, whatever
+/// tokio's timer says.
 #[derive(Clone, Debug, Default)]
 pub struct ManualClock {
     nanos: Arc<AtomicU64>,
+    /// Woken whenever the clock is moved.
+    moved: Arc<tokio::sync::Notify>,
 }
 
 impl ManualClock {
@@ -142,6 +162,7 @@ impl ManualClock {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 Some(n.saturating_add(by))
             });
+        self.moved.notify_waiters();
     }
 
     /// Sets the clock to `at` since its origin. Setting it earlier than it is models a clock
@@ -150,6 +171,7 @@ impl ManualClock {
     pub fn set(&self, at: Duration) {
         let at = u64::try_from(at.as_nanos()).unwrap_or(u64::MAX);
         self.nanos.store(at, Ordering::Release);
+        self.moved.notify_waiters();
     }
 
     /// The current reading as a `Duration` since the origin.
@@ -162,6 +184,20 @@ impl Clock for ManualClock {
     #[inline]
     fn now(&self) -> u64 {
         self.nanos.load(Ordering::Acquire)
+    }
+
+    fn sleep_until(&self, at: u64) -> Option<Pin<Box<dyn Future<Output = ()> + Send + '_>>> {
+        Some(Box::pin(async move {
+            loop {
+                // Registered before the clock is read, so a move in between still wakes it.
+                let mut moved = std::pin::pin!(self.moved.notified());
+                moved.as_mut().enable();
+                if self.now() >= at {
+                    return;
+                }
+                moved.await;
+            }
+        }))
     }
 }
 
@@ -178,6 +214,28 @@ mod tests {
             assert!(now >= last);
             last = now;
         }
+    }
+
+    /// A wait on a manual clock ends when the clock is moved past its end, not before, and
+    /// not by tokio's timer.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_on_a_manual_clock_follows_it() {
+        let clock = ManualClock::new();
+        let other = clock.clone();
+        let wait = tokio::spawn(async move {
+            if let Some(wait) = other.sleep_until(5_000) {
+                wait.await;
+            }
+            other.now()
+        });
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!wait.is_finished(), "tokio's timer does not end it");
+        clock.advance(Duration::from_nanos(4_999));
+        tokio::task::yield_now().await;
+        assert!(!wait.is_finished());
+        clock.set(Duration::from_nanos(6_000));
+        assert_eq!(wait.await.unwrap(), 6_000);
+        assert!(TokioClock::new().sleep_until(1).is_none());
     }
 
     #[test]

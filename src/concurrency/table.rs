@@ -87,7 +87,9 @@ impl InFlight {
     }
 
     /// Takes a place for `key` if it has fewer than `max` in flight; whether it did. A key
-    /// already in flight takes its place without allocating.
+    /// already in flight takes its place without allocating. (The layer holds slots; tests
+    /// count by key.)
+    #[cfg(test)]
     pub(crate) fn acquire(&self, hash: u64, key: &Key, max: u32) -> bool {
         self.take(hash, key, max).is_some()
     }
@@ -160,11 +162,13 @@ impl InFlight {
     }
 
     /// Gives a place of `key` back; the entry goes when its count reaches zero.
+    #[cfg(test)]
     pub(crate) fn release(&self, hash: u64, key: &Key) {
         self.give_back_where(hash, |e| e.key == *key);
     }
 
-    /// Gives back the place of `slot` (see [`InFlight::release`]).
+    /// Gives back the place of `slot`; the entry goes when its count reaches zero (and nobody
+    /// waits for it).
     pub(crate) fn give_back(&self, slot: Slot) {
         self.give_back_where(slot.hash, |e| e.id == slot.id);
     }

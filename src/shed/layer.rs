@@ -11,6 +11,7 @@ use tower_layer::Layer;
 
 use super::classify::{Classifier, Criticality};
 use super::deadline::Typical;
+use super::fair::Tenants;
 use super::limit::{Limit, LimitKind};
 use super::queue::{DEFAULT_CODEL_INTERVAL, DEFAULT_CODEL_TARGET, Discipline, Queue};
 use super::service::LoadShed;
@@ -21,7 +22,6 @@ use super::telemetry::Telemetry;
 pub(crate) use super::telemetry::{Reason, Shed};
 use crate::answer::{DefaultResponder, Responder};
 use crate::clock::{Clock, SystemClock};
-use crate::concurrency::table::InFlight;
 use crate::key::KeyExtractor;
 use crate::sync::{AtomicU32, AtomicU64, Mutex};
 
@@ -53,6 +53,7 @@ impl LoadShedLayer {
             utilization: None,
             fair: None,
             fair_from: DEFAULT_FAIR_FROM,
+            fair_cap: 1.0,
             retry_after: DEFAULT_SHED_RETRY_AFTER,
             jitter: DEFAULT_SHED_JITTER,
             responder: Box::new(DefaultResponder),
@@ -161,6 +162,7 @@ pub struct LoadShedLayerBuilder {
     utilization: Option<Box<dyn Fn() -> f64 + Send + Sync>>,
     fair: Option<Box<dyn KeyExtractor>>,
     fair_from: f64,
+    fair_cap: f64,
     retry_after: Duration,
     jitter: Duration,
     responder: Box<dyn Responder>,
@@ -208,12 +210,17 @@ impl LoadShedLayerBuilder {
         self
     }
 
-    /// Fair shedding among tenants keyed by `tenant`: once more than a share of capacity is in
+    /// Fair shedding among tenants keyed by `tenant`: a tenant's fair share is the limit
+    /// divided among the tenants that asked within the last second (in flight, waiting, or
+    /// admitted or refused then), at least one place. Once more than a share of capacity is in
     /// use ([`LoadShedLayerBuilder::fair_from`], 0.8 by default), a tenant with at least its
-    /// fair share in flight (the limit divided among the tenants in flight) is shed before
-    /// anyone else, so one noisy tenant cannot crowd out the others. Requests without a key
-    /// are shed by class only. Key tenants by something your authentication vouches for: a
-    /// client that can name a fresh tenant per request dilutes everyone's fair share.
+    /// fair share in flight is shed before anyone else; below that, it takes a place only
+    /// while that leaves one free for each recent tenant holding none (for at most half the
+    /// limit). A tenant below its fair share is never refused for fairness. With a queue,
+    /// places given back go to the tenant holding fewest. The promise is stated in the
+    /// [module docs](crate::shed#fairness). Requests without a key are shed by class only. Key
+    /// tenants by something your authentication vouches for: a client that can name a fresh
+    /// tenant per request dilutes everyone's fair share.
     pub fn fair_by(mut self, tenant: impl KeyExtractor) -> Self {
         self.fair = Some(Box::new(tenant));
         self
@@ -222,6 +229,16 @@ impl LoadShedLayerBuilder {
     /// The share of capacity (0 to 1) from which tenants above their fair share are shed first.
     pub fn fair_from(mut self, share: f64) -> Self {
         self.fair_from = share;
+        self
+    }
+
+    /// The most of the limit (0.001 to 1, 1 by default: no cap) one tenant may hold at once,
+    /// whatever the load: for services whose requests are long (downloads, long polls,
+    /// exports), so that a tenant alone on an idle service cannot take the places the next
+    /// tenants will need, as nothing is pre-empted. With a cap of 0.5, a second tenant always
+    /// finds half the limit. Only with [`fair_by`](LoadShedLayerBuilder::fair_by).
+    pub fn fair_cap(mut self, share: f64) -> Self {
+        self.fair_cap = share;
         self
     }
 
@@ -265,8 +282,11 @@ impl LoadShedLayerBuilder {
     /// wait: nothing tells when they would have room.
     ///
     /// `max_wait` bounds the latency the queue adds: keep it well under your clients'
-    /// timeouts. The wait runs on tokio's timer. No queue unless set; both numbers must be
-    /// above zero.
+    /// timeouts. The wait runs on the layer's [`clock`](LoadShedLayerBuilder::clock): tokio's
+    /// timer for clocks that keep its pace (the system's, [`TokioClock`](crate::clock::TokioClock)),
+    /// the clock's own wait otherwise ([`Clock::sleep_until`]; a
+    /// [`ManualClock`](crate::clock::ManualClock) ends it when advanced). No queue unless set;
+    /// both numbers must be above zero.
     pub fn queue(mut self, max_queued: usize, max_wait: Duration) -> Self {
         self.queue = Some((max_queued, max_wait));
         self
@@ -340,6 +360,9 @@ impl LoadShedLayerBuilder {
         if !(self.fair_from.is_finite() && self.fair_from > 0.0 && self.fair_from <= 1.0) {
             return Err(ShedError::InvalidFairFrom(self.fair_from));
         }
+        if !(self.fair_cap.is_finite() && (0.001..=1.0).contains(&self.fair_cap)) {
+            return Err(ShedError::InvalidFairCap(self.fair_cap));
+        }
         let (target, interval) = self.codel;
         if target.is_zero() || interval.is_zero() {
             return Err(ShedError::InvalidCodel { target, interval });
@@ -387,8 +410,9 @@ impl LoadShedLayerBuilder {
                 utilization: self.utilization,
                 fair: self.fair.map(|key| Fair {
                     key,
-                    tenants: InFlight::new(),
+                    tenants: Tenants::new(),
                     from: (self.fair_from * 1000.0).round() as u64,
+                    cap: (self.fair_cap * 1000.0).round() as u64,
                 }),
                 retry_after: whole_secs(self.retry_after).max(1),
                 jitter: whole_secs(self.jitter),
@@ -411,6 +435,7 @@ impl fmt::Debug for LoadShedLayerBuilder {
             .field("limit", &self.limit)
             .field("shares", &self.shares)
             .field("fair_from", &self.fair_from)
+            .field("fair_cap", &self.fair_cap)
             .field("queue", &self.queue)
             .field("discipline", &self.discipline)
             .field("codel", &self.codel)
@@ -432,6 +457,8 @@ pub enum ShedError {
     },
     /// A fairness threshold that is not within (0, 1].
     InvalidFairFrom(f64),
+    /// A cap on one tenant's share that is not within [0.001, 1].
+    InvalidFairCap(f64),
     /// `Limit::fixed(0)` would shed every request.
     ZeroLimit,
     /// `Limit::aimd` with a latency target of zero would back off on every window.
@@ -463,6 +490,9 @@ impl fmt::Display for ShedError {
             }
             ShedError::InvalidFairFrom(share) => {
                 write!(f, "fair_from is {share}: give a number in (0, 1]")
+            }
+            ShedError::InvalidFairCap(share) => {
+                write!(f, "fair_cap is {share}: give a number in [0.001, 1]")
             }
             ShedError::ZeroLimit => f.write_str("a fixed limit of 0 sheds every request"),
             ShedError::ZeroLatency => {

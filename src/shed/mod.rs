@@ -24,15 +24,20 @@
 //!   only at 100 %, so that capacity stays for the traffic that matters most. Requests are
 //!   not pre-empted: a flood of sheddable requests that arrives while the service is idle may
 //!   hold up to its share until those requests finish, and critical traffic has the rest.
-//! - **Fairness** ([`LoadShedLayerBuilder::fair_by`]): with a tenant key, once the service is
-//!   busy, a tenant with its fair share in flight is shed before anyone else, so one noisy
-//!   tenant cannot make thirty small ones lose their requests.
+//! - **Fairness** ([`LoadShedLayerBuilder::fair_by`]): with a tenant key, a tenant below its
+//!   fair share of the limit (shared among the tenants that asked within the last second) is
+//!   never refused for fairness, and once the service is busy a tenant at or above it is shed
+//!   before anyone else, so one noisy tenant cannot make thirty small ones lose their
+//!   requests, nor keep the places it holds from newcomers. The promise is stated exactly
+//!   [below](#fairness).
 //!
 //! - **A queue** ([`LoadShedLayerBuilder::queue`], none by default): a request its class has
 //!   no room for may wait, a bounded number at once and each at most a longest wait, for a
-//!   place to be given back. The place is handed to a waiter whose class may use it, so
-//!   newcomers cannot overtake the queue; a waiter whose client goes away leaves it and takes
-//!   nothing; a full queue sheds at once.
+//!   place to be given back. The place is handed to a waiter of the highest class that may
+//!   use it (with fairness, of the tenant holding fewest places), so newcomers cannot
+//!   overtake the queue; a waiter whose client goes away leaves it and takes nothing; a full
+//!   queue sheds its lowest class's newest waiter for an arrival of a higher class, and the
+//!   arrival at once otherwise.
 //! - **Discipline** ([`Discipline`]): oldest first, newest first, or (the default) adaptive
 //!   LIFO as Facebook runs it: oldest first while the queue is healthy, newest first while it
 //!   is overloaded (standing, or more than half full), so that under overload the requests
@@ -86,6 +91,59 @@
 //! # }
 //! ```
 //!
+//! # Fairness
+//!
+//! With [`fair_by`](LoadShedLayerBuilder::fair_by), each request's tenant is remembered from
+//! the moment it asks, admitted or refused, until a second after it last asked (on the
+//! layer's clock), and while it holds a place or waits. A tenant's **fair share** is the
+//! limit divided among the tenants so remembered, rounded up, and at most
+//! [`fair_cap`](LoadShedLayerBuilder::fair_cap) of the limit when that is set. This is what a
+//! tenant is promised:
+//!
+//! 1. **A tenant below its fair share is never refused for fairness.** A request of a tenant
+//!    whose places held and requests waiting are fewer than its fair share (and whose
+//!    requests waiting are fewer than its share of the queue, point 4) is refused only when
+//!    its class has no place free and it cannot wait (no queue, the queue is full of waiters
+//!    of its class or above, or its deadline leaves no time): as it would be without
+//!    fairness.
+//! 2. **Tenants at or above their fair share give way.** Once `fair_from` of the limit is in
+//!    flight (0.8 by default), a request of a tenant holding its fair share or more is
+//!    refused. Below `fair_from`, it takes a place only while that leaves free, within its
+//!    class's share of capacity, the fair share of each remembered tenant that holds no place
+//!    (together at most half the limit). With `fair_cap`, no tenant ever holds more than the
+//!    cap.
+//! 3. **So a small tenant gets the next places given back.** A tenant that holds less than its
+//!    fair share and finds every place its class may use taken, by tenants over their shares
+//!    past `fair_from`, is admitted at its next ask after a place is given back (with a queue,
+//!    it waits and is handed the place): the k-th such newcomer within k completions of any
+//!    request, as no tenant over its share takes a place meanwhile. In `tests/shed.rs`, a tenant
+//!    holding 18 of 20 places with requests of 1 s: five newcomers got the first five places
+//!    given back, and the noisy tenant none meanwhile (before this promise they waited until
+//!    the noisy tenant's requests ended).
+//! 4. **The queue.** A place given back goes to the highest class that may use it, within it
+//!    to the tenant holding fewest places (then the one given a place longest ago), and among
+//!    that tenant's waiters in the [`Discipline`]'s order. A tenant may have at most its share
+//!    of the queue's places waiting (the queue's length divided among the remembered
+//!    tenants, at least one), and at most its fair share in flight and waiting past
+//!    `fair_from`. A full queue sheds its lowest class's newest waiter for a higher class,
+//!    and the newest waiter of the tenant most over its queue share for a tenant below its
+//!    own.
+//!
+//! What a tenant can still do to another:
+//!
+//! - **Hold what it took.** Nothing is pre-empted: places taken while the service was calm
+//!   (up to `fair_from`, or the whole class share while it was alone) are held until those
+//!   requests end. A newcomer waits for completions; give long requests a `fair_cap`.
+//! - **Win a race for a free place** below `fair_from`, up to the headroom of point 2: a
+//!   tenant never seen before reserves nothing until it asks.
+//! - **Dilute the shares** by naming tenants: key tenants by what your authentication vouches
+//!   for. At most 4,096 tenants are told apart: past that, tenants not yet remembered share
+//!   one entry (and one share) until entries expire.
+//! - **Use more time with the same places**: the share counts places, not how long each is
+//!   held.
+//! - **Contend with it on one lock**: the table of tenants is one lock, taken a few times per
+//!   request that has a tenant key.
+//!
 //! # A queue
 //!
 //! One request at a time, up to ten waiting, each up to 100 ms, or less if its client says
@@ -131,6 +189,7 @@
 
 mod classify;
 mod deadline;
+mod fair;
 mod layer;
 mod limit;
 mod queue;

@@ -7,7 +7,8 @@
 //! waiter leaving (served, timed out, or gone). A place given back while nobody waits takes no
 //! lock.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
@@ -21,9 +22,10 @@ use tokio::sync::oneshot;
 
 use super::classify::Criticality;
 use super::deadline::{Route, parse_timeout};
+use super::fair::Table;
 use super::layer::{NoPlace, Place, Reason, Shared, Shed};
+use super::shared::Fair;
 use crate::inflight::{Admitted, Held, Refuse};
-use crate::key::Key;
 use crate::sync::{AtomicU64, AtomicUsize, Mutex};
 
 /// How often the queue is served again while the count in flight keeps moving under it,
@@ -91,7 +93,6 @@ impl Queue {
                 waiters: VecDeque::new(),
                 next_id: 0,
                 codel: Codel::new(target, nanos(interval)),
-                tenants: HashMap::default(),
             }),
             timed_out: Default::default(),
         }
@@ -113,30 +114,34 @@ impl Queue {
     }
 
     fn push(&self, state: &mut State, waiter: Waiter) {
-        if let Some((hash, _)) = &waiter.tenant {
-            *state.tenants.entry(*hash).or_default() += 1;
-        }
         state.waiters.push_back(waiter);
         self.len.store(state.waiters.len(), Ordering::SeqCst);
     }
 
-    fn remove(&self, state: &mut State, index: usize) -> Option<Waiter> {
+    fn remove(
+        &self,
+        state: &mut State,
+        index: usize,
+        fair: Option<&Fair>,
+        now: u64,
+    ) -> Option<Waiter> {
         let waiter = state.waiters.remove(index)?;
-        self.removed(state, &waiter);
+        self.removed(state, &waiter, fair, now);
         Some(waiter)
     }
 
-    /// Counts `waiter`, taken out of `state.waiters`, as gone.
-    fn removed(&self, state: &mut State, waiter: &Waiter) {
+    /// Counts `waiter`, taken out of `state.waiters` at `now`, as gone.
+    fn removed(&self, state: &mut State, waiter: &Waiter, fair: Option<&Fair>, now: u64) {
         self.len.store(state.waiters.len(), Ordering::SeqCst);
-        if let Some((hash, _)) = &waiter.tenant {
-            if let Some(n) = state.tenants.get_mut(hash) {
-                *n -= 1;
-                if *n == 0 {
-                    state.tenants.remove(hash);
-                }
-            }
+        if let (Some(hash), Some(fair)) = (waiter.tenant, fair) {
+            fair.tenants.leave_queue(hash, now);
         }
+    }
+
+    /// The most waiters one tenant may have among `recent` tenants: its share of the queue's
+    /// places (at least one).
+    fn share(&self, recent: u32) -> u32 {
+        u32::try_from((self.max / recent.max(1) as usize).max(1)).unwrap_or(u32::MAX)
     }
 
     /// Whether the next place goes to the newest waiter.
@@ -155,14 +160,16 @@ fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+/// A waiter's rank for a place (the highest first): its class, then its tenant's places held
+/// (fewest first), then when its tenant was last given a place (longest ago first).
+type Rank = (Criticality, Reverse<u32>, Reverse<u64>);
+
 /// What the queue's lock guards.
 struct State {
     /// In order of arrival: ids and arrival times only grow from front to back.
     waiters: VecDeque<Waiter>,
     next_id: u64,
     codel: Codel,
-    /// Waiters per tenant (by the hash of its key), with fairness.
-    tenants: HashMap<u64, u32, foldhash::fast::RandomState>,
 }
 
 impl State {
@@ -181,7 +188,7 @@ struct Waiter {
     class: Criticality,
     /// When it joined the queue, on the layer's clock.
     since: u64,
-    tenant: Option<(u64, Key)>,
+    tenant: Option<u64>,
     outcome: oneshot::Sender<Outcome>,
 }
 
@@ -191,6 +198,9 @@ pub(super) enum Outcome {
     Admitted { place: Place, in_flight: u32 },
     /// Shed: it had waited the target already when the queue turned standing.
     Shed,
+    /// Shed: the queue was full, and a request of a higher class (or of a tenant below its
+    /// share of the queue) took its place.
+    Displaced,
 }
 
 /// CoDel's judgement of a queue (Kathleen Nichols and Van Jacobson's controlled delay, as
@@ -279,8 +289,8 @@ impl Drop for Ticket {
         };
         let mut state = queue.state.lock();
         if let Some(index) = state.position(self.id) {
-            queue.remove(&mut state, index);
             let now = self.shared.clock.now();
+            queue.remove(&mut state, index, self.shared.fair.as_ref(), now);
             self.shared.look(queue, &mut state, now);
         }
         // The lock is released before the receiver is dropped: a place in it is given back
@@ -297,7 +307,7 @@ impl Shared {
         queue: &Queue,
         parts: &Parts,
         class: Criticality,
-        tenant: Option<(u64, Key)>,
+        tenant: Option<u64>,
     ) -> Result<Admitted, Shed> {
         let shed = |reason| Shed { class, reason };
         let route = self.route(parts);
@@ -313,7 +323,7 @@ impl Shared {
             let Some(at) = self.serve(queue, &mut state, now) else {
                 break;
             };
-            taken = self.take(class, tenant.as_ref(), Some(at));
+            taken = self.take(class, tenant, Some(at));
             if !matches!(taken, Err(NoPlace::Moved)) {
                 break;
             }
@@ -334,19 +344,35 @@ impl Shared {
         if budget == 0 {
             return Err(shed(Reason::Deadline));
         }
-        if state.waiters.len() >= queue.max {
-            return Err(shed(Reason::QueueFull));
-        }
-        if let (Some(fair), Some((hash, key))) = (&self.fair, &tenant) {
-            // Near capacity a tenant may have its fair share in flight and waiting, no more: a
-            // noisy tenant cannot fill the queue.
+        if let (Some(fair), Some(hash)) = (&self.fair, tenant) {
+            // A tenant may have its share of the queue's places waiting, no more; near
+            // capacity, its fair share in flight and waiting: a noisy tenant cannot fill the
+            // queue.
             let limit = u64::from(self.limit.load(Ordering::Relaxed));
             let in_flight = self.in_flight.load(Ordering::SeqCst);
-            let waiting = state.tenants.get(hash).copied().unwrap_or(0);
-            let held = fair.tenants.count(key.as_str()).saturating_add(waiting);
-            if held >= self.fair_share(fair, in_flight, limit, key) {
+            let over = fair.tenants.with(|table| {
+                let t = table.get(hash);
+                t.waiting >= queue.share(table.recent())
+                    || (u64::from(in_flight) * 1000 >= limit * fair.from
+                        && t.held.saturating_add(t.waiting) >= fair.share(limit, table.recent()))
+            });
+            if over {
                 return Err(shed(Reason::Unfair));
             }
+        }
+        if state.waiters.len() >= queue.max {
+            // Full: a waiter of a lower class (or of a tenant over its share of the queue)
+            // gives way, or this request is shed.
+            let Some(index) = self.displaced(queue, &state, class, tenant) else {
+                return Err(shed(Reason::QueueFull));
+            };
+            if let Some(waiter) = queue.remove(&mut state, index, self.fair.as_ref(), now) {
+                // A waiter gone meanwhile needs no answer.
+                let _ = waiter.outcome.send(Outcome::Displaced);
+            }
+        }
+        if let (Some(fair), Some(hash)) = (&self.fair, tenant) {
+            fair.tenants.enter_queue(hash, |_, _| true);
         }
         let (sender, receiver) = oneshot::channel();
         let id = state.next_id;
@@ -379,6 +405,42 @@ impl Shared {
             now,
             now.saturating_add(budget),
         ))))
+    }
+
+    /// The waiter a request of `class` (of `tenant`) displaces from a full queue: the newest
+    /// of the lowest class below its own; with none, and fairness, if its tenant is below
+    /// its share of the queue's places, the newest of its class from the tenant with the most
+    /// waiters over that share. `None`: nobody gives way.
+    fn displaced(
+        &self,
+        queue: &Queue,
+        state: &State,
+        class: Criticality,
+        tenant: Option<u64>,
+    ) -> Option<usize> {
+        let lowest = state.waiters.iter().map(|w| w.class).min()?;
+        if lowest < class {
+            return state.waiters.iter().rposition(|w| w.class == lowest);
+        }
+        let (fair, hash) = (self.fair.as_ref()?, tenant?);
+        fair.tenants.with(|table| {
+            let share = queue.share(table.recent());
+            if table.get(hash).waiting >= share {
+                return None;
+            }
+            let mut most: Option<(usize, u32)> = None;
+            for (i, w) in state.waiters.iter().enumerate() {
+                let Some(other) = w.tenant.filter(|_| w.class == class) else {
+                    continue;
+                };
+                let waiting = table.get(other).waiting;
+                // The newest of the tenant with the most waiters.
+                if waiting > share && most.is_none_or(|(_, m)| waiting >= m) {
+                    most = Some((i, waiting));
+                }
+            }
+            most.map(|(i, _)| i)
+        })
     }
 
     /// How long a request to `route` may wait, in nanoseconds: the queue's longest wait, or
@@ -420,20 +482,45 @@ impl Shared {
             if state.waiters.is_empty() || in_flight >= self.threshold(self.widest, limit) {
                 return Some(in_flight);
             }
-            let fits = |w: &Waiter| {
+            let fits = |w: &Waiter, table: Option<&Table>| {
                 in_flight < self.threshold(w.class, limit)
-                    && match (&self.fair, &w.tenant) {
-                        (Some(fair), Some((_, key))) => {
-                            fair.tenants.count(key.as_str())
-                                < self.fair_share(fair, in_flight, limit, key)
+                    && match (&self.fair, w.tenant, table) {
+                        (Some(fair), Some(hash), Some(table)) => {
+                            let room = self.threshold(w.class, limit);
+                            fair.allows((in_flight, room), limit, &table.get(hash), table)
                         }
                         _ => true,
                     }
             };
-            let found = if queue.newest_first(state) {
-                state.waiters.iter().rposition(fits)
-            } else {
-                state.waiters.iter().position(fits)
+            // The highest class that may use the place; in it, the tenant holding fewest places
+            // (then the one given a place longest ago); among its waiters, the discipline's.
+            let newest_first = queue.newest_first(state);
+            let find = |table: Option<&Table>| {
+                let mut best: Option<(usize, Rank)> = None;
+                for (i, w) in state.waiters.iter().enumerate() {
+                    if !fits(w, table) {
+                        continue;
+                    }
+                    let (held, served) = match (w.tenant, table) {
+                        (Some(hash), Some(table)) => {
+                            let t = table.get(hash);
+                            (t.held, t.served)
+                        }
+                        _ => (0, 0),
+                    };
+                    let rank = (w.class, Reverse(held), Reverse(served));
+                    if best
+                        .as_ref()
+                        .is_none_or(|(_, b)| rank > *b || (rank == *b && newest_first))
+                    {
+                        best = Some((i, rank));
+                    }
+                }
+                best.map(|(i, _)| i)
+            };
+            let found = match &self.fair {
+                Some(fair) => fair.tenants.with(|table| find(Some(table))),
+                None => find(None),
             };
             // Out of the queue while it takes its place, but still counted as waiting (so that
             // a newcomer does not take the place on the way that skips the queue).
@@ -441,7 +528,7 @@ impl Shared {
             else {
                 return Some(in_flight);
             };
-            let in_flight = match self.take(waiter.class, waiter.tenant.as_ref(), Some(in_flight)) {
+            let in_flight = match self.take(waiter.class, waiter.tenant, Some(in_flight)) {
                 Ok(in_flight) => in_flight,
                 Err(_) => {
                     // The count moved since it was read (a place came back, or a request that
@@ -450,7 +537,7 @@ impl Shared {
                     continue;
                 }
             };
-            queue.removed(state, &waiter);
+            queue.removed(state, &waiter, self.fair.as_ref(), now);
             let place = Place::new(self, waiter.tenant);
             if let Err(Outcome::Admitted { place, .. }) =
                 waiter.outcome.send(Outcome::Admitted { place, in_flight })
@@ -476,7 +563,7 @@ impl Shared {
             .front()
             .is_some_and(|w| now.saturating_sub(w.since) >= queue.target)
         {
-            if let Some(waiter) = queue.remove(state, 0) {
+            if let Some(waiter) = queue.remove(state, 0, self.fair.as_ref(), now) {
                 // A waiter gone meanwhile needs no answer.
                 let _ = waiter.outcome.send(Outcome::Shed);
             }
@@ -496,16 +583,13 @@ async fn wait(
     deadline: u64,
 ) -> Result<Held, Refuse> {
     let shared = Arc::clone(&ticket.shared);
-    let refuse = {
+    let refuse = |reason| {
         let shared = Arc::clone(&shared);
-        let shed = Shed {
-            class,
-            reason: Reason::TimedOut,
-        };
+        let shed = Shed { class, reason };
         Box::new(move |parts: &Parts| shared.refuse(parts, shed)) as Refuse
     };
     let Some(queue) = &shared.queue else {
-        return Err(refuse);
+        return Err(refuse(Reason::TimedOut));
     };
     // The time it waited, however its wait ends.
     let record_wait = |now: u64| {
@@ -524,12 +608,19 @@ async fn wait(
         } else {
             deadline
         };
-        let mut sleep = pin!(tokio::time::sleep(Duration::from_nanos(
-            look_at.saturating_sub(now)
-        )));
+        // On the layer's clock: its own wait, or tokio's timer for one that keeps its pace.
+        let mut own = shared.clock.sleep_until(look_at);
+        let mut timer =
+            pin!(own.is_none().then(|| {
+                tokio::time::sleep(Duration::from_nanos(look_at.saturating_sub(now)))
+            }));
         let outcome = poll_fn(|cx| match Pin::new(&mut ticket.outcome).poll(cx) {
             Poll::Ready(outcome) => Poll::Ready(Some(outcome)),
-            Poll::Pending => sleep.as_mut().poll(cx).map(|()| None),
+            Poll::Pending => match (own.as_mut(), timer.as_mut().as_pin_mut()) {
+                (Some(own), _) => own.as_mut().poll(cx).map(|()| None),
+                (None, Some(timer)) => timer.poll(cx).map(|()| None),
+                (None, None) => Poll::Ready(None),
+            },
         })
         .await;
         match outcome {
@@ -538,12 +629,17 @@ async fn wait(
                 record_wait(shared.clock.now());
                 return Ok(Held::Shed(shared.guard(class, place, in_flight, route)));
             }
+            Some(Ok(Outcome::Displaced)) => {
+                ticket.queued = false;
+                record_wait(shared.clock.now());
+                return Err(refuse(Reason::QueueFull));
+            }
             // Shed as the queue turned standing (or the queue let go of it: cannot happen).
             Some(_) => {
                 ticket.queued = false;
                 record_wait(shared.clock.now());
                 queue.timed_out[class.index()].fetch_add(1, Ordering::Relaxed);
-                return Err(refuse);
+                return Err(refuse(Reason::TimedOut));
             }
             None => {
                 let mut state = queue.state.lock();
@@ -555,12 +651,12 @@ async fn wait(
                 };
                 let waited = now.saturating_sub(since);
                 if now >= deadline || (state.codel.standing && waited >= queue.target) {
-                    queue.remove(&mut state, index);
+                    queue.remove(&mut state, index, shared.fair.as_ref(), now);
                     shared.look(queue, &mut state, now);
                     ticket.queued = false;
                     record_wait(now);
                     queue.timed_out[class.index()].fetch_add(1, Ordering::Relaxed);
-                    return Err(refuse);
+                    return Err(refuse(Reason::TimedOut));
                 }
             }
         }

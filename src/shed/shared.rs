@@ -11,12 +11,12 @@ use http::{Response, StatusCode};
 
 use super::classify::{Classifier, Criticality};
 use super::deadline::{Route, Typical};
+use super::fair::{Table, Tenant, Tenants};
 use super::limit::{Controller, Sample};
 use super::queue::Queue;
 use super::telemetry::{Reason, Shed, Telemetry};
 use crate::answer::{Rejection, RejectionKind, Responder};
 use crate::clock::Clock;
-use crate::concurrency::table::InFlight;
 use crate::inflight::{Admitted, Answer, Held};
 use crate::key::{Key, KeyExtractor};
 use crate::sync::{AtomicU32, AtomicU64, Mutex};
@@ -58,22 +58,65 @@ pub(crate) struct Shared {
 
 pub(super) struct Fair {
     pub(super) key: Box<dyn KeyExtractor>,
-    pub(super) tenants: InFlight,
+    pub(super) tenants: Tenants,
     /// The share of capacity past which fairness applies, in thousandths.
     pub(super) from: u64,
+    /// The most of the limit one tenant may hold, in thousandths (1000: no cap).
+    pub(super) cap: u64,
+}
+
+impl Fair {
+    /// A tenant's fair share of `limit` among `recent` tenants: the limit divided among them,
+    /// rounded up (so that the shares cover the limit), within the cap.
+    pub(super) fn share(&self, limit: u64, recent: u32) -> u32 {
+        let share = limit.div_ceil(u64::from(recent.max(1))).max(1);
+        u32::try_from(share.min(self.cap_places(limit))).unwrap_or(u32::MAX)
+    }
+
+    /// The most places one tenant may hold under `limit`.
+    pub(super) fn cap_places(&self, limit: u64) -> u64 {
+        (limit * self.cap / 1000).max(1)
+    }
+
+    /// Whether `tenant` may take one more place of a class whose room is `room` places, when
+    /// `before` are in flight under `limit`: always below its fair share (and the cap); at or
+    /// above it, never past `fair_from`, and below it only while that leaves free, within the
+    /// class's room, the fair share of each recent tenant that holds none (at most half the
+    /// limit).
+    pub(super) fn allows(
+        &self,
+        (before, room): (u32, u32),
+        limit: u64,
+        tenant: &Tenant,
+        table: &Table,
+    ) -> bool {
+        let held = u64::from(tenant.held);
+        if held >= self.cap_places(limit) {
+            return false;
+        }
+        if tenant.held < self.share(limit, table.recent()) {
+            return true;
+        }
+        if u64::from(before) * 1000 >= limit * self.from {
+            return false;
+        }
+        let free_after = u64::from(room).saturating_sub(u64::from(before) + 1);
+        let reserve = u64::from(table.empty()) * u64::from(self.share(limit, table.recent()));
+        free_after >= reserve.min(limit / 2)
+    }
 }
 
 /// A place in flight, and its tenant's place with fairness; dropping it gives both back, the
 /// place to a waiter first.
 pub(crate) struct Place {
     shared: Arc<Shared>,
-    tenant: Option<(u64, Key)>,
+    tenant: Option<u64>,
     /// False once given back by hand.
     armed: bool,
 }
 
 impl Place {
-    pub(super) fn new(shared: &Arc<Shared>, tenant: Option<(u64, Key)>) -> Self {
+    pub(super) fn new(shared: &Arc<Shared>, tenant: Option<u64>) -> Self {
         shared.telemetry.in_flight.increment();
         Place {
             shared: Arc::clone(shared),
@@ -86,7 +129,7 @@ impl Place {
     /// to the waiters (the caller is serving them).
     pub(super) fn give_back_locked(mut self) {
         self.armed = false;
-        self.shared.release_tenant(self.tenant.as_ref());
+        self.shared.release_tenant(self.tenant);
         self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
         self.shared.telemetry.in_flight.decrement();
     }
@@ -95,7 +138,7 @@ impl Place {
 impl Drop for Place {
     fn drop(&mut self) {
         if self.armed {
-            self.shared.release_tenant(self.tenant.as_ref());
+            self.shared.release_tenant(self.tenant);
             self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
             self.shared.telemetry.in_flight.decrement();
             self.shared.serve_waiters();
@@ -213,7 +256,7 @@ impl Shared {
             // Requests wait: the queue decides, so that this one cannot overtake them.
             return self.enqueue(queue, parts, class, tenant);
         }
-        match self.take(class, tenant.as_ref(), None) {
+        match self.take(class, tenant, None) {
             Ok(in_flight) => {
                 let place = Place::new(self, tenant);
                 let guard = self.guard(class, place, in_flight, self.route(parts));
@@ -237,8 +280,9 @@ impl Shared {
         }
     }
 
-    /// The tenant of a request, with fairness: its key's hash and its key.
-    fn tenant(&self, parts: &Parts) -> Option<(u64, Key)> {
+    /// The tenant of a request, with fairness: the hash its places are counted under. It is
+    /// counted among the recent tenants from now on.
+    fn tenant(&self, parts: &Parts) -> Option<u64> {
         let fair = self.fair.as_ref()?;
         let mut key = Key::new();
         if !fair.key.extract_into(parts, &mut key) {
@@ -246,7 +290,8 @@ impl Shared {
         }
         key.push_raw("@tenant");
         let key = crate::concurrency::bounded(key);
-        Some((fair.tenants.hash(key.as_str()), key))
+        let hash = self.hasher.hash_one(key.as_str());
+        Some(fair.tenants.see(hash, self.clock.now()))
     }
 
     /// Takes a place in flight for a request of `class` if its class has room, and its
@@ -256,7 +301,7 @@ impl Shared {
     pub(super) fn take(
         &self,
         class: Criticality,
-        tenant: Option<&(u64, Key)>,
+        tenant: Option<u64>,
         at: Option<u32>,
     ) -> Result<u32, NoPlace> {
         let limit = u64::from(self.limit.load(Ordering::Relaxed));
@@ -274,11 +319,11 @@ impl Shared {
                 .compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst)
                 .map_err(|_| NoPlace::Moved)?,
         };
-        if let (Some(fair), Some((hash, key))) = (&self.fair, tenant) {
-            if !fair
-                .tenants
-                .acquire(*hash, key, self.fair_share(fair, before, limit, key))
-            {
+        if let (Some(fair), Some(hash)) = (&self.fair, tenant) {
+            let now = self.clock.now();
+            if !fair.tenants.acquire(hash, now, |t, table| {
+                fair.allows((before, threshold), limit, t, table)
+            }) {
                 self.in_flight.fetch_sub(1, Ordering::SeqCst);
                 return Err(NoPlace::Unfair);
             }
@@ -292,23 +337,9 @@ impl Shared {
         u32::try_from((limit * share / 1000).max(1)).unwrap_or(u32::MAX)
     }
 
-    /// The most requests in flight the tenant of `key` may have when `before` are in flight:
-    /// its fair share near capacity (the limit divided among the tenants in flight, this one
-    /// counted once), no bound below.
-    pub(super) fn fair_share(&self, fair: &Fair, before: u32, limit: u64, key: &Key) -> u32 {
-        if u64::from(before) * 1000 < limit * fair.from {
-            return u32::MAX;
-        }
-        let mut tenants = u64::try_from(fair.tenants.keys()).unwrap_or(u64::MAX);
-        if fair.tenants.count(key.as_str()) == 0 {
-            tenants = tenants.saturating_add(1);
-        }
-        u32::try_from((limit / tenants.max(1)).max(1)).unwrap_or(u32::MAX)
-    }
-
-    fn release_tenant(&self, tenant: Option<&(u64, Key)>) {
-        if let (Some((hash, key)), Some(fair)) = (tenant, &self.fair) {
-            fair.tenants.release(*hash, key);
+    fn release_tenant(&self, tenant: Option<u64>) {
+        if let (Some(hash), Some(fair)) = (tenant, &self.fair) {
+            fair.tenants.release(hash, self.clock.now());
         }
     }
 
@@ -478,6 +509,78 @@ mod model_checks {
                 let shared = layer(Limit::fixed(1));
                 let first = held(&shared);
                 run(shared, Some(first), 3);
+            },
+            crate::sync::pct_runs(),
+            3,
+        );
+    }
+
+    /// With fairness, tenants arriving and leaving on their own threads while a place comes
+    /// back: every place and every waiter is counted to its tenant and given back, so the
+    /// tenant table ends holding nothing (and its count of tenants holding none is right).
+    #[test]
+    fn tenants_get_every_place_back() {
+        shuttle::check_pct(
+            || {
+                let clock = ManualClock::new();
+                clock.advance(Duration::from_secs(1));
+                let layer = LoadShedLayer::builder(Limit::fixed(1))
+                    .share(Criticality::Critical, 1.0)
+                    .fair_by(crate::key::Header::from_static("x-tenant"))
+                    .queue(4, Duration::from_secs(60))
+                    .clock(clock)
+                    .build()
+                    .unwrap();
+                let shared = layer.shared;
+                let request = |tenant: &str| {
+                    http::Request::get("/")
+                        .header("x-tenant", tenant)
+                        .body(())
+                        .unwrap()
+                        .into_parts()
+                        .0
+                };
+                let first = match shared.admit(&request("a")) {
+                    Ok(Admitted::Now(Held::Shed(guard))) => guard,
+                    _ => panic!("the first request is admitted"),
+                };
+                let threads: Vec<_> = ["a", "b", "c"]
+                    .into_iter()
+                    .map(|tenant| {
+                        let shared = Arc::clone(&shared);
+                        let parts = request(tenant);
+                        shuttle::thread::spawn(move || match shared.admit(&parts) {
+                            Ok(Admitted::Now(mut held)) => {
+                                held.answered(Answer::Served { failed: false });
+                                None
+                            }
+                            Ok(Admitted::Later(wait)) => Some(wait),
+                            // Its tenant over its share: shed, holding nothing.
+                            Err(_) => None,
+                        })
+                    })
+                    .collect();
+                drop(first);
+                let waits: Vec<Pending> = threads
+                    .into_iter()
+                    .filter_map(|t| t.join().unwrap())
+                    .collect();
+                let leaving: Vec<_> = waits
+                    .into_iter()
+                    .map(|wait| shuttle::thread::spawn(move || drop(wait)))
+                    .collect();
+                for thread in leaving {
+                    thread.join().unwrap();
+                }
+                let queue = shared.queue.as_ref().unwrap();
+                assert_eq!(
+                    (shared.in_flight.load(Ordering::SeqCst), queue.len()),
+                    (0, 0)
+                );
+                let fair = shared.fair.as_ref().unwrap();
+                let (held, waiting, empty, counted) = fair.tenants.with(|t| t.totals());
+                assert_eq!((held, waiting), (0, 0));
+                assert_eq!(empty, counted);
             },
             crate::sync::pct_runs(),
             3,
