@@ -59,7 +59,7 @@ pin_project! {
     enum State<CF, SF, P> {
         // Waiting for a tier resolver (a cache miss).
         Resolving {
-            answer: crate::limiter::Guarded,
+            answer: crate::limiter::TierOf,
             at: (bool, usize),
             plan: Box<Plan>,
             pending: P,
@@ -120,7 +120,7 @@ enum Next<F> {
     Resolve {
         plan: Box<Plan>,
         at: (bool, usize),
-        answer: crate::limiter::Guarded,
+        answer: crate::limiter::TierOf,
     },
 }
 
@@ -309,7 +309,7 @@ where
                     };
                     let p = &mut *pending;
                     let limiter = &p.shared.limiter;
-                    limiter.resolved(&mut plan, at.0, at.1, &tier);
+                    plan.resolved(at, tier);
                     let next = p.span.in_scope(|| {
                         let start = limiter.resume(plan, &p.span);
                         p.shared.started(start, &mut p.parts, &p.span)

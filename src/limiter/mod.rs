@@ -74,6 +74,6 @@ pub use tier::{
     DEFAULT_TIER_CACHE_CAPACITY, DEFAULT_TIER_TIMEOUT, DEFAULT_TIER_TTL, TierAnswer, TierResolver,
     Tiers,
 };
-pub(crate) use tier::{Guarded, TierLookup};
 #[cfg(feature = "serde")]
 pub(crate) use tier::{Resolving, boxed};
+pub(crate) use tier::{TierLookup, TierOf};

@@ -150,6 +150,9 @@ impl Resolution {
 /// A resolution in progress: the resolver's answer, bounded by a timeout, panics caught.
 pub(crate) type Guarded = Pin<Box<dyn Future<Output = Resolution> + Send>>;
 
+/// A key's tier to come ([`TierLookup::tier_of_owned`]).
+pub(crate) type TierOf = Pin<Box<dyn Future<Output = u16> + Send>>;
+
 /// Polls a resolver's answer with its panics caught.
 struct CatchPanic(Resolving);
 
@@ -376,6 +379,14 @@ impl TierLookup {
         })
     }
 
+    /// [`TierLookup::tier_of`] as a future that owns what it uses, for a response future
+    /// (which is `'static`): the same lookup, in the same flights. Boxed, as the resolver's
+    /// answer is: only on a cache miss.
+    pub(crate) fn tier_of_owned(self: &Arc<Self>, key: Box<str>, raw: Box<str>) -> TierOf {
+        let lookup = Arc::clone(self);
+        Box::pin(async move { lookup.tier_of(&key, &raw).await })
+    }
+
     /// The tier of `key` (the extractor's key `raw` is what the resolver is asked), with one
     /// lookup per key at a time (single flight): requests for a key being looked up wait for
     /// that lookup, bounded as it is by the [timeout](Tiers::timeout), and get its tier (its
@@ -387,11 +398,16 @@ impl TierLookup {
                 let mut flights = self.flights.lock();
                 match flights.get(key) {
                     Some(flight) => Err(flight.clone()),
-                    None => {
-                        let (sender, receiver) = tokio::sync::watch::channel(None);
-                        flights.insert(key.into(), receiver);
-                        Ok(sender)
-                    }
+                    // A lookup that landed since the caller missed the cache remembered its
+                    // answer before it left `flights`: no need to ask again.
+                    None => match self.cache.get(key, self.clock.now()) {
+                        Some(tier) => return tier,
+                        None => {
+                            let (sender, receiver) = tokio::sync::watch::channel(None);
+                            flights.insert(key.into(), receiver);
+                            Ok(sender)
+                        }
+                    },
                 }
             };
             match flight {
