@@ -40,7 +40,8 @@ pin_project! {
     /// future is then just the inner service's future (or the ready refusal), with nothing
     /// boxed or cloned. With any other store it waits for the store's answer, holding the
     /// request and a ready clone of the inner service. A tier lookup that misses the cache
-    /// boxes the resolver's future.
+    /// boxes the lookup's future (which asks the resolver, or waits for the lookup of the same
+    /// key under way).
     ///
     /// [`MemoryStore`]: crate::MemoryStore
     pub struct ResponseFuture<S, St, B>
