@@ -1,19 +1,23 @@
 //! Tiers through a real server: a slow resolver is asked once per key and cache time, the tier
 //! picks the policies, unknown tiers fall back to the default, and the cache expires on the
-//! limiter's clock.
+//! limiter's clock. In-process on paused time: concurrent requests for one key share one
+//! lookup (single flight), also when the resolver hangs or the request looking up goes away.
 
 mod support;
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use http::StatusCode;
-use support::{ok_client, store};
+use http::{Request, Response, StatusCode};
+use support::{ok_client, sf_list, store};
 use tokio::sync::{Semaphore, mpsc};
+use tollgate::clock::TokioClock;
 use tollgate::key::Header;
-use tollgate::limiter::{MissingKey, Rule, Tiers};
-use tollgate::{Policy, RateLimitLayer};
+use tollgate::limiter::{MissingKey, Rule, TierResolver, Tiers};
+use tollgate::{MemoryStore, Policy, RateLimitLayer};
+use tower::{Service, ServiceBuilder, ServiceExt};
 
 #[tokio::test]
 async fn a_slow_resolver_is_cached_and_tiers_pick_the_policies() {
@@ -112,4 +116,178 @@ async fn a_slow_resolver_is_cached_and_tiers_pick_the_policies() {
     // No key at all: the rule's choice (401), and no resolver call.
     assert_eq!(client.get("/").await.status, StatusCode::UNAUTHORIZED);
     assert_eq!(calls.load(Ordering::SeqCst), 4);
+}
+
+// Single flight: one lookup per key at a time, shared by the requests that wait for it.
+// In-process (a service called with `oneshot`) on tokio's paused time.
+
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// Tiers of distinct policy names (`{prefix}free`, 100 an hour, the default;
+/// `{prefix}pro`, 1,000), timed on tokio's clock.
+fn plans(prefix: &str, resolver: impl TierResolver) -> Tiers {
+    let policy = |limit, name: &str| {
+        Policy::fixed_window(limit, HOUR)
+            .unwrap()
+            .named(format!("{prefix}{name}"))
+            .unwrap()
+    };
+    Tiers::new(resolver)
+        .tier("free", [policy(100, "free")])
+        .tier("pro", [policy(1000, "pro")])
+        .default_tier("free")
+        .clock(TokioClock::new())
+}
+
+/// The rule `plan` on `x-api-key` with `tiers`, and a shadow rule with `shadow`'s, in front
+/// of a service that answers 200.
+fn tiered(
+    tiers: Tiers,
+    shadow: Option<Tiers>,
+) -> impl Service<
+    Request<String>,
+    Response = Response<String>,
+    Error = Infallible,
+    Future: Send + 'static,
+> + Clone
++ Send
++ 'static {
+    let key = || Header::from_static("x-api-key");
+    let mut layer = RateLimitLayer::builder(MemoryStore::with_clock(TokioClock::new()))
+        .rule(Rule::new("plan").key(key()).tiers(tiers));
+    if let Some(shadow) = shadow {
+        layer = layer.rule(Rule::new("next-plan").key(key()).tiers(shadow).shadow());
+    }
+    ServiceBuilder::new()
+        .layer(layer.build().unwrap())
+        .service(tower::service_fn(|_: Request<String>| async {
+            Ok::<_, Infallible>(Response::new(String::from("ok")))
+        }))
+}
+
+/// A request for `key`: its status, the policy its `RateLimit` field names (the tier that
+/// decided it) and what remains of it.
+async fn send<S>(service: S, key: &'static str) -> (StatusCode, String, i64)
+where
+    S: Service<Request<String>, Response = Response<String>, Error = Infallible>,
+{
+    let request = Request::get("/")
+        .header("x-api-key", key)
+        .body(String::new())
+        .unwrap();
+    let response = service.oneshot(request).await.unwrap();
+    let field = response.headers()["ratelimit"].to_str().unwrap();
+    let (name, params) = sf_list(field).remove(0);
+    (response.status(), name, params["r"])
+}
+
+/// A resolver that counts its calls and answers `pro` for each permit `gate` gives.
+fn gated(calls: &Arc<AtomicUsize>, gate: &Arc<Semaphore>) -> impl TierResolver + use<> {
+    let (calls, gate) = (calls.clone(), gate.clone());
+    move |_: String| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        let gate = gate.clone();
+        async move {
+            gate.acquire().await.unwrap().forget();
+            Some("pro".to_owned())
+        }
+    }
+}
+
+/// Lets every spawned request run until it waits on something: paused time moves on to the
+/// sleep's end only once every task waits.
+async fn idle() {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_requests_for_an_unknown_key_share_one_lookup() {
+    let (calls, shadow_calls) = (Arc::default(), Arc::default());
+    let gate = Arc::new(Semaphore::new(0));
+    // The shadow rule's resolver answers at once, as each request comes to it in turn.
+    let open = Arc::new(Semaphore::new(1000));
+    let service = tiered(
+        plans("", gated(&calls, &gate)),
+        Some(plans("next-", gated(&shadow_calls, &open))),
+    );
+    let requests: Vec<_> = (0..100)
+        .map(|_| tokio::spawn(send(service.clone(), "k-1")))
+        .collect();
+    idle().await;
+    // All 100 wait for one lookup.
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert!(requests.iter().all(|r| !r.is_finished()));
+    gate.add_permits(1);
+    let mut remaining = Vec::new();
+    for request in requests {
+        let (status, policy, left) = request.await.unwrap();
+        assert_eq!((status, policy.as_str()), (StatusCode::OK, "pro"));
+        remaining.push(left);
+    }
+    // Each counted once, all in the pro tier.
+    remaining.sort_unstable();
+    assert_eq!(remaining, (900..1000).collect::<Vec<_>>());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // The shadow rule's tier too: asked once, not once per request.
+    assert_eq!(shadow_calls.load(Ordering::SeqCst), 1);
+    // Remembered: the next request asks nothing.
+    assert_eq!(send(service, "k-1").await.1, "pro");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_waiting_on_a_hung_resolver_get_the_default_tier_at_the_timeout() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let hung = {
+        let calls = calls.clone();
+        move |_: String| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<Option<String>>()
+        }
+    };
+    let service = tiered(plans("", hung), None);
+    let start = tokio::time::Instant::now();
+    let requests: Vec<_> = (0..100)
+        .map(|_| {
+            let service = service.clone();
+            tokio::spawn(async move {
+                let answer = send(service, "k-1").await;
+                (answer, start.elapsed())
+            })
+        })
+        .collect();
+    for request in requests {
+        let ((status, policy, _), waited) = request.await.unwrap();
+        assert_eq!((status, policy.as_str()), (StatusCode::OK, "free"));
+        assert_eq!(waited, tollgate::limiter::DEFAULT_TIER_TIMEOUT);
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // A fallback is not remembered: the next request asks again.
+    assert_eq!(send(service, "k-1").await.1, "free");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn when_the_request_looking_up_goes_away_one_waiting_takes_over() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let gate = Arc::new(Semaphore::new(0));
+    let service = tiered(plans("", gated(&calls, &gate)), None);
+    let leader = tokio::spawn(send(service.clone(), "k-1"));
+    idle().await;
+    let followers: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(send(service.clone(), "k-1")))
+        .collect();
+    idle().await;
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the followers wait");
+    // Its client gives up mid-lookup: one follower asks in its place.
+    leader.abort();
+    assert!(leader.await.unwrap_err().is_cancelled());
+    idle().await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    gate.add_permits(1);
+    for follower in followers {
+        let (status, policy, _) = follower.await.unwrap();
+        assert_eq!((status, policy.as_str()), (StatusCode::OK, "pro"));
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
 }

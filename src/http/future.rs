@@ -40,7 +40,8 @@ pin_project! {
     /// future is then just the inner service's future (or the ready refusal), with nothing
     /// boxed or cloned. With any other store it waits for the store's answer, holding the
     /// request and a ready clone of the inner service. A tier lookup that misses the cache
-    /// boxes the resolver's future.
+    /// boxes the lookup's future (which asks the resolver, or waits for the lookup of the same
+    /// key under way).
     ///
     /// [`MemoryStore`]: crate::MemoryStore
     pub struct ResponseFuture<S, St, B>
@@ -59,7 +60,7 @@ pin_project! {
     enum State<CF, SF, P> {
         // Waiting for a tier resolver (a cache miss).
         Resolving {
-            answer: crate::limiter::Guarded,
+            answer: crate::limiter::TierOf,
             at: (bool, usize),
             plan: Box<Plan>,
             pending: P,
@@ -120,7 +121,7 @@ enum Next<F> {
     Resolve {
         plan: Box<Plan>,
         at: (bool, usize),
-        answer: crate::limiter::Guarded,
+        answer: crate::limiter::TierOf,
     },
 }
 
@@ -309,7 +310,7 @@ where
                     };
                     let p = &mut *pending;
                     let limiter = &p.shared.limiter;
-                    limiter.resolved(&mut plan, at.0, at.1, &tier);
+                    plan.resolved(at, tier);
                     let next = p.span.in_scope(|| {
                         let start = limiter.resume(plan, &p.span);
                         p.shared.started(start, &mut p.parts, &p.span)

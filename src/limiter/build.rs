@@ -80,7 +80,8 @@ impl<St> Limiter<St> {
         unchanged: impl Fn(&str) -> bool,
     ) {
         for rule in self.rules.iter_mut() {
-            let Some(tiers) = &mut rule.tiers else {
+            // A limiter not serving yet: no request holds its lookups.
+            let Some(tiers) = rule.tiers.as_mut().and_then(Arc::get_mut) else {
                 continue;
             };
             if !unchanged(&rule.name) {

@@ -28,7 +28,9 @@ pub(crate) struct CompiledRule {
     pub(crate) shadow: bool,
     /// One set of policies, or one per tier.
     pub(crate) sets: Box<[PolicySet]>,
-    pub(super) tiers: Option<TierLookup>,
+    /// Behind an `Arc`: a request whose tier is being looked up holds it (the lookup's
+    /// future outlives `call()`).
+    pub(super) tiers: Option<Arc<TierLookup>>,
     /// `tollgate_decisions_total` for the requests the rule admitted (for a shadow rule: would
     /// have), refused without a key, and could not decide.
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
@@ -182,7 +184,7 @@ impl CompiledRule {
                         })?,
                 };
                 let default = u16::try_from(default).unwrap_or(0);
-                (sets, Some(tiers.into_resolved(&name, default)))
+                (sets, Some(Arc::new(tiers.into_resolved(&name, default))))
             }
         };
         let methods = super::rule::effective_methods(rule.methods, rule.exact_methods);

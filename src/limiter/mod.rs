@@ -5,9 +5,10 @@
 //! matches a request applies to it (per user, per tenant, global, per endpoint): the request
 //! is admitted only if every policy of every applicable rule admits it, and it consumes from
 //! none of them otherwise. Rules can take their policies from the key's tier ([`Tiers`],
-//! resolved asynchronously and cached; a resolver that fails, panics or takes longer than
-//! [`Tiers::timeout`] counts the request in the default tier), and a rule in shadow mode is decided and reported but
-//! never refuses. The [`RateLimitLayer`](crate::RateLimitLayer) runs a limiter in front of an
+//! resolved asynchronously and cached, one lookup per key at a time that the key's concurrent
+//! requests share; a resolver that fails, panics or takes longer than [`Tiers::timeout`]
+//! counts the requests in the default tier), and a rule in shadow mode is decided and
+//! reported but never refuses. The [`RateLimitLayer`](crate::RateLimitLayer) runs a limiter in front of an
 //! HTTP service.
 //!
 //! ```
@@ -74,6 +75,6 @@ pub use tier::{
     DEFAULT_TIER_CACHE_CAPACITY, DEFAULT_TIER_TIMEOUT, DEFAULT_TIER_TTL, TierAnswer, TierResolver,
     Tiers,
 };
-pub(crate) use tier::{Guarded, TierLookup};
 #[cfg(feature = "serde")]
 pub(crate) use tier::{Resolving, boxed};
+pub(crate) use tier::{TierLookup, TierOf};

@@ -67,11 +67,12 @@ pub(crate) enum Start<F> {
     },
     /// No enforced rule applies.
     Unchecked { shadow: Option<ShadowPlan> },
-    /// A tier must be resolved first.
+    /// A tier must be looked up first (one lookup per key at a time: this request's, or
+    /// another's that it waits for).
     Resolving {
         plan: Box<Plan>,
         at: (bool, usize),
-        answer: super::tier::Guarded,
+        answer: super::tier::TierOf,
     },
     /// A rule found no key and refuses the request.
     NoKey(NoKey),
@@ -100,6 +101,21 @@ pub(crate) struct NoKey {
 }
 
 pub(crate) type Checks<'a> = SmallVec<[Check<'a>; 8]>;
+
+impl Plan {
+    /// Records the tier found for the planned rule `at` (shadow or not, and its index).
+    pub(crate) fn resolved(&mut self, (shadow, i): (bool, usize), tier: u16) {
+        let planned = if shadow {
+            self.shadow.get_mut(i)
+        } else {
+            self.enforced.get_mut(i)
+        };
+        if let Some(planned) = planned {
+            planned.set = Some(tier);
+            planned.raw = None;
+        }
+    }
+}
 
 impl<St: Store> Limiter<St> {
     /// Plans the request and asks the store about its enforced rules: the decision is made
@@ -190,7 +206,7 @@ impl<St: Store> Limiter<St> {
     #[inline]
     fn proceed(&self, plan: &mut Plan, span: &DecisionSpan) -> Start<St::Future> {
         if plan.unresolved {
-            if let Some((shadow, i, answer)) = self.next_unresolved(plan) {
+            if let Some((shadow, i, answer)) = self.next_unresolved(&mut *plan) {
                 return Start::Resolving {
                     plan: Box::new(std::mem::take(plan)),
                     at: (shadow, i),
@@ -284,49 +300,24 @@ impl<St: Store> Limiter<St> {
         Ok(plan)
     }
 
-    /// The first planned rule whose tier is not known yet, and the resolver's answer to come.
-    fn next_unresolved(&self, plan: &Plan) -> Option<(bool, usize, super::tier::Guarded)> {
+    /// The first planned rule whose tier is not known yet, and its tier to come: the rule's
+    /// lookup of the key, shared with the requests for the same key under way (single flight;
+    /// see [`TierLookup::tier_of`](super::TierLookup::tier_of)), which remembers the answer.
+    fn next_unresolved(&self, plan: &mut Plan) -> Option<(bool, usize, super::tier::TierOf)> {
         let find = |list: &[Planned]| list.iter().position(|p| p.set.is_none());
         let (shadow, i) = match find(&plan.enforced) {
             Some(i) => (false, i),
             None => (true, find(&plan.shadow)?),
         };
         let planned = if shadow {
-            &plan.shadow[i]
+            &mut plan.shadow[i]
         } else {
-            &plan.enforced[i]
+            &mut plan.enforced[i]
         };
         let tiers = self.rules.get(usize::from(planned.rule))?.tiers.as_ref()?;
-        let raw = planned.raw.as_deref().unwrap_or_default();
-        Some((shadow, i, tiers.resolve(raw)))
-    }
-
-    /// Records the resolver's answer (or its failure: the default tier) for a planned rule.
-    pub(crate) fn resolved(
-        &self,
-        plan: &mut Plan,
-        shadow: bool,
-        i: usize,
-        resolution: &super::tier::Resolution,
-    ) {
-        let planned = if shadow {
-            plan.shadow.get_mut(i)
-        } else {
-            plan.enforced.get_mut(i)
-        };
-        let Some(planned) = planned else {
-            return;
-        };
-        let tier = match self
-            .rules
-            .get(usize::from(planned.rule))
-            .and_then(|r| r.tiers.as_ref())
-        {
-            Some(tiers) => tiers.settle(planned.key.as_str(), resolution),
-            None => 0,
-        };
-        planned.set = Some(tier);
-        planned.raw = None;
+        let raw = planned.raw.take().unwrap_or_default();
+        let answer = tiers.tier_of_owned(planned.key.as_str().into(), raw);
+        Some((shadow, i, answer))
     }
 
     /// The store checks of some planned rules (all resolved), in order: each rule's policies

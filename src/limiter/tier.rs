@@ -27,14 +27,17 @@ pub const DEFAULT_TIER_TIMEOUT: Duration = Duration::from_secs(1);
 /// Finds the tier of a key (its plan: `"free"`, `"pro"`), typically by asking a database.
 ///
 /// The answer is remembered for the time the [`Tiers`] say, so the resolver is asked about a
-/// key at most once per that time (concurrent first requests of one key may each ask). `None`,
-/// or a name the `Tiers` do not know, means the default tier; that answer is remembered too.
+/// key at most once per that time. It is asked about a key once at a time (single flight):
+/// requests for a key being looked up wait for that lookup and share its answer, so a burst of
+/// a new key's first requests makes one call, not one per request. `None`, or a name the
+/// `Tiers` do not know, means the default tier; that answer is remembered too.
 ///
 /// A resolver that cannot answer is never waited on forever and never takes the request down
 /// with it: when it fails (its future's output is an `Err`), panics (in `resolve` or in its
 /// future), or has not answered within the [`Tiers::timeout`] (1 s by default), the request is
-/// counted in the default tier, and nothing is remembered, so the key's next request asks
-/// again. A panic is caught only where panics unwind (not under `panic = "abort"`).
+/// counted in the default tier, and so are the requests that waited for that lookup; nothing
+/// is remembered, so the key's next request asks again. A panic is caught only where panics
+/// unwind (not under `panic = "abort"`).
 ///
 /// Any `Fn(String) -> impl Future<Output = A>` is a resolver, where `A` is an
 /// `Option<String>` or a `Result<Option<String>, E>` (see [`TierAnswer`]); it gets the key the
@@ -150,6 +153,9 @@ impl Resolution {
 /// A resolution in progress: the resolver's answer, bounded by a timeout, panics caught.
 pub(crate) type Guarded = Pin<Box<dyn Future<Output = Resolution> + Send>>;
 
+/// A key's tier to come ([`TierLookup::tier_of_owned`]).
+pub(crate) type TierOf = Pin<Box<dyn Future<Output = u16> + Send>>;
+
 /// Polls a resolver's answer with its panics caught.
 struct CatchPanic(Resolving);
 
@@ -169,6 +175,13 @@ impl Future for CatchPanic {
 
 /// The tiers of a [`Rule`](super::Rule): a resolver, each tier's policies, the default tier,
 /// and how long answers are remembered.
+///
+/// A request whose key's tier is remembered is decided at once, as a rule without tiers. One
+/// whose key's tier is not asks the resolver, or, while another request's lookup of the same
+/// key is under way, waits for that lookup and takes its tier (one lookup per key at a time,
+/// in the rate limit and the concurrency layers alike). The wait is bounded by the
+/// [timeout](Tiers::timeout) of the lookup it waits for; should the request doing the lookup
+/// go away first (its client gave up), a waiting one asks in its place.
 ///
 /// ```
 /// use std::time::Duration;
@@ -231,7 +244,8 @@ impl Tiers {
         self
     }
 
-    /// How long an answer is remembered (60 s by default; zero asks on every request).
+    /// How long an answer is remembered (60 s by default; zero asks on every request, yet
+    /// requests that come while a lookup of their key is under way still share it).
     pub fn cache_for(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
@@ -248,8 +262,8 @@ impl Tiers {
     }
 
     /// The longest a request waits for the resolver (1 s by default): past it, the request is
-    /// counted in the default tier and the key's next request asks again, as when the resolver
-    /// fails. The wait runs on tokio's timer (tokio's paused time in tests), so a resolution
+    /// counted in the default tier, with the requests that waited for the same lookup, and the
+    /// key's next request asks again, as when the resolver fails. The wait runs on tokio's timer (tokio's paused time in tests), so a resolution
     /// must be polled inside a tokio runtime with its timer enabled (`#[tokio::main]` enables
     /// it; in a runtime built without `enable_time`, tokio panics at the first resolution);
     /// outside any tokio runtime there is no timeout. `Duration::MAX` waits as long as the
@@ -376,6 +390,14 @@ impl TierLookup {
         })
     }
 
+    /// [`TierLookup::tier_of`] as a future that owns what it uses, for a response future
+    /// (which is `'static`): the same lookup, in the same flights. Boxed, as the resolver's
+    /// answer is: only on a cache miss.
+    pub(crate) fn tier_of_owned(self: &Arc<Self>, key: Box<str>, raw: Box<str>) -> TierOf {
+        let lookup = Arc::clone(self);
+        Box::pin(async move { lookup.tier_of(&key, &raw).await })
+    }
+
     /// The tier of `key` (the extractor's key `raw` is what the resolver is asked), with one
     /// lookup per key at a time (single flight): requests for a key being looked up wait for
     /// that lookup, bounded as it is by the [timeout](Tiers::timeout), and get its tier (its
@@ -387,11 +409,16 @@ impl TierLookup {
                 let mut flights = self.flights.lock();
                 match flights.get(key) {
                     Some(flight) => Err(flight.clone()),
-                    None => {
-                        let (sender, receiver) = tokio::sync::watch::channel(None);
-                        flights.insert(key.into(), receiver);
-                        Ok(sender)
-                    }
+                    // A lookup that landed since the caller missed the cache remembered its
+                    // answer before it left `flights`: no need to ask again.
+                    None => match self.cache.get(key, self.clock.now()) {
+                        Some(tier) => return tier,
+                        None => {
+                            let (sender, receiver) = tokio::sync::watch::channel(None);
+                            flights.insert(key.into(), receiver);
+                            Ok(sender)
+                        }
+                    },
                 }
             };
             match flight {
