@@ -579,6 +579,7 @@ class_header = "x-class"
 shares = { critical = 0.9, sheddable_plus = 0.7 }
 fair_by = "tenant"
 fair_from = 0.5
+fair_cap = 0.25
 queue = { max_waiting = 20, max_wait = "10ms" }
 deadline_header = "x-deadline"
 "#;
@@ -1229,6 +1230,7 @@ fn every_section_reports_its_paths() {
         class_header = "bad header"
         shares = { urgent = 0.5, sheddable = 2.0 }
         fair_from = 0
+        fair_cap = 1.5
         fair_by = "ghost"
         deadline_header = "grpc-timeout"
     "#;
@@ -1250,6 +1252,7 @@ fn every_section_reports_its_paths() {
             "shed.shares.sheddable",
             "shed.shares.urgent",
             "shed.fair_from",
+            "shed.fair_cap",
             "shed.deadline_header",
             "shed.fair_by",
         ],

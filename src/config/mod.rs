@@ -149,6 +149,7 @@
 //! shares = { sheddable = 0.6, sheddable_plus = 0.75 }   # each class shed from this share of capacity
 //! fair_by = "tenant"                # fair shares among the tenants of this key...
 //! fair_from = 0.8                   # ...from this share of capacity
+//! fair_cap = 0.5                    # no tenant holds more than this share, whatever the load
 //! queue = { max_waiting = 100, max_wait = "50ms" }
 //! deadline_header = "grpc-timeout"  # clients' declared timeouts, never waited past (with a queue)
 //! ```

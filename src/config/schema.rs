@@ -511,6 +511,9 @@ pub struct ShedConfig {
     /// The share of capacity from which fairness applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fair_from: Option<f64>,
+    /// The most of the limit one tenant may hold at once, whatever the load (0.001..=1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fair_cap: Option<f64>,
     /// A bounded queue in front of the limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<QueueConfig>,

@@ -96,6 +96,15 @@ impl<'a> Builder<'a> {
             }
             builder = builder.fair_from(from);
         }
+        if let Some(cap) = spec.fair_cap {
+            if !(cap.is_finite() && (0.001..=1.0).contains(&cap)) {
+                p.add("shed.fair_cap", format!("{cap}: give 0.001 to 1"));
+            }
+            if spec.fair_by.is_none() {
+                p.add("shed.fair_cap", "only with fair_by");
+            }
+            builder = builder.fair_cap(cap);
+        }
         if let Some(queue) = &spec.queue {
             queue_ok(queue, "shed.queue", p);
             builder = builder.queue(queue.max_waiting, queue.max_wait.get());
