@@ -1014,6 +1014,38 @@ fn documented() -> BTreeSet<String> {
         .collect()
 }
 
+/// The README's metric table names the same metrics as `tollgate::metrics::ALL`, with the
+/// same labels.
+#[test]
+fn the_readme_table_lists_every_metric() {
+    let readme = include_str!("../README.md");
+    let mut listed = BTreeMap::new();
+    for line in readme.lines() {
+        let Some(rest) = line.strip_prefix("| `tollgate_") else {
+            continue;
+        };
+        let cells: Vec<&str> = rest.split('|').map(str::trim).collect();
+        let name = format!("tollgate_{}", cells[0].trim_end_matches('`'));
+        let labels: Vec<String> = cells[2]
+            .split(", ")
+            .map(|l| l.trim().trim_matches('`').to_owned())
+            .filter(|l| !l.is_empty())
+            .collect();
+        assert!(
+            listed.insert(name.clone(), labels).is_none(),
+            "{name} twice"
+        );
+    }
+    let all: BTreeMap<String, Vec<String>> = m::ALL
+        .iter()
+        .map(|m| {
+            let labels = m.labels.iter().map(|l| (*l).to_owned()).collect();
+            (m.name.to_owned(), labels)
+        })
+        .collect();
+    assert_eq!(listed, all);
+}
+
 /// Every metric in the table is emitted by some scenario above, and the table, `ALL` and what
 /// the scenarios emitted name the same metrics.
 #[tokio::test(start_paused = true)]
