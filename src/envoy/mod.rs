@@ -32,6 +32,9 @@
 //!   (and keeps a client that is over its per-second limit from ever recovering its daily
 //!   one). tollgate decides every enforced descriptor of a call in **one**
 //!   [`Store::check_all`](crate::Store::check_all): a call over any limit consumes from none.
+//!   envoyproxy/ratelimit's `STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT` comes near: it reads
+//!   the counters first and leaves out increments when one would go over, but the read and
+//!   the increments are two round trips, so calls that meet between them still count.
 //! - **Statuses.** One store call answers with the decision that binds: that descriptor's
 //!   status is exact (`limit_remaining`, and `duration_until_reset` the time until the limit
 //!   has reset, or on a refusal until this call would be admitted); the other counted

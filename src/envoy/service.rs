@@ -596,6 +596,9 @@ fn override_limit(o: &RateLimitOverride) -> Result<Limit, Status> {
         Ok(RateLimitUnit::Day) => Unit::Day,
         Ok(RateLimitUnit::Month) => Unit::Month,
         Ok(RateLimitUnit::Year) => Unit::Year,
+        // A week, as envoyproxy/ratelimit reads it: it takes the number as the response's
+        // unit, where 7 is WEEK (newer Envoys send it).
+        Err(_) if o.unit == rate_limit::Unit::Week as i32 => Unit::Week,
         Ok(RateLimitUnit::Unknown) | Err(_) => {
             return Err(Status::invalid_argument(
                 "a descriptor's limit override has no valid unit",
