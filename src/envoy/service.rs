@@ -216,15 +216,12 @@ impl<S: Store> RateLimitService<S> {
                 .as_ref()
                 .map(|_| counter_key(&request.domain, descriptor, &shared))
                 .unwrap_or_default();
-            let label = match &limit {
-                Some(l) if METRICS => self.label(&request.domain, descriptor, l, &shared),
-                _ => None,
-            };
             slots.push(Slot {
                 limit,
                 cost,
                 key,
-                label,
+                shared,
+                label: None,
             });
         }
         // The slots hold what they need: no configuration is held across the store's calls.
@@ -245,6 +242,14 @@ impl<S: Store> RateLimitService<S> {
                     .is_some_and(|n| replaced.contains(n));
                 if gone {
                     slot.limit = None;
+                }
+            }
+        }
+        // The metrics' labels that come from the request, for the limits that stay.
+        if METRICS {
+            for (slot, descriptor) in slots.iter_mut().zip(&request.descriptors) {
+                if let Some(limit) = &slot.limit {
+                    slot.label = self.label(&request.domain, descriptor, limit, &slot.shared);
                 }
             }
         }
@@ -482,11 +487,13 @@ impl<S: Store> super::proto::rate_limit_service_server::RateLimitService for Rat
 }
 
 /// One descriptor of a call: its limit (none when nothing matched or it was replaced), its
-/// cost, its counter's key, and its metrics when a label of its own was made for it.
+/// cost, its counter's key, the wildcard pattern each entry counts under (share_threshold),
+/// and its metrics when a label of its own was made for it.
 struct Slot {
     limit: Option<Arc<Limit>>,
     cost: u64,
     key: String,
+    shared: Vec<Option<String>>,
     label: Option<Arc<Hits>>,
 }
 
