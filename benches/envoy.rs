@@ -7,9 +7,7 @@
 //! - the service called in process (no gRPC), on `MemoryStore`;
 //! - over gRPC: `MemoryStore`; `RedisStore` and `LeasedStore` on one hot descriptor (a GCRA
 //!   limit nobody reaches, so every call is an admission);
-//! - `redis-benchmark` EVALSHA of the GCRA check script on one key (64 clients, pipeline 16);
-//! - with the `metrics` feature, the service called in process again, its metrics recorded
-//!   into a Prometheus recorder (installed last: it stays for the rest of the process).
+//! - `redis-benchmark` EVALSHA of the GCRA check script on one key (64 clients, pipeline 16).
 //!
 //! envoyproxy/ratelimit (Go) is not run beside it: no Go toolchain can be installed here.
 //! Knobs: `TOLLGATE_BENCH_THREADS` (tokio workers, default 2), `TOLLGATE_BENCH_SECS` (seconds
@@ -210,28 +208,5 @@ fn main() {
         println!(
             "\nceiling: redis-benchmark EVALSHA of the gcra script, one key, -c 64 -P 16: {top:.0}/s"
         );
-        // Last, as it is for the rest of the process: the service's metrics recorded in a
-        // Prometheus recorder (the rows above record into nothing).
-        #[cfg(feature = "metrics")]
-        {
-            metrics_exporter_prometheus::PrometheusBuilder::new()
-                .install_recorder()
-                .expect("recorder");
-            let local = Arc::new(RateLimitService::new(MemoryStore::new(), config()));
-            let f = drive(run, move || {
-                let local = Arc::clone(&local);
-                async move {
-                    let answer = local.decide(&request()).await.expect("answer");
-                    assert_eq!(answer.overall_code, 1, "admitted");
-                }
-            })
-            .await;
-            println!();
-            row(
-                "in process (`decide`), metrics into a Prometheus recorder",
-                "MemoryStore",
-                &f,
-            );
-        }
     });
 }
