@@ -12,7 +12,11 @@
 //!
 //! **Cardinality is bounded by construction**: the labels are the names of rules, policies,
 //! tiers, layers, stores and classes, all fixed in code or configuration, never a key, a path
-//! or a client's address.
+//! or a client's address. Envoy's rate limit service labels by the configured domain and the
+//! configured descriptor's path; where a request's values are asked for (`detailed_metric:
+//! true`) or a request sends its own limit, a service makes at most
+//! labels (`RateLimitService::max_metric_descriptors`, default 1,000), then counts under the
+//! configured path (or `_other`).
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -64,6 +68,10 @@
 //! | `tollgate_client_breaker_state` | gauge | state | `client` | An outbound `CircuitBreakerLayer`: 0 closed, 1 half open, 2 open. |
 //! | `tollgate_client_breaker_transitions_total` | counter | transitions | `client`, `to` | Changes of an outbound breaker's state, by the state entered (`closed`, `half_open`, `open`). |
 //! | `tollgate_client_throttled_total` | counter | requests | `client` | Requests an `AdaptiveThrottleLayer` refused itself, without sending them. |
+//! | `tollgate_envoy_hits_total` | counter | hits (units of cost) | `domain`, `descriptor`, `outcome` | Envoy's rate limit service (feature `envoy`): the hits (`hits_addend`, 1 by default) of each descriptor of a `ShouldRateLimit` call that matched a counted limit, by `outcome`, one per descriptor and call: `within_limit` (admitted, more than a fifth of the limit left), `near_limit` (admitted, using more than 80 % of the limit; told only for the descriptor whose limit decided the call, the one that runs out first, as the others' remainders are known only as lower bounds: they count `within_limit`), `over_limit` (this limit refused the call), `shadow_mode` (a `shadow_mode` limit would have refused; the call was answered as the other limits decided), `not_counted` (another limit of the call refused it: all or nothing, nothing was counted here). Their sum by `domain` and `descriptor` is envoyproxy/ratelimit's `total_hits`. `descriptor` is the configured descriptor's path (`message_type_marketing.to_number`), with the request's values only under `detailed_metric: true` (at most `max_metric_descriptors` such labels per service, then the configured path); `override:<keys>` for a limit Envoy sent. Unlimited descriptors, descriptors that match no limit, and calls that end in an error are not counted. |
+//! | `tollgate_envoy_calls_total` | counter | calls | `domain`, `result` | `ShouldRateLimit` calls by `result`: `ok`, `over_limit`, `store_error` (`UNAVAILABLE`: Envoy applies its `failure_mode_deny`), `invalid` (`INVALID_ARGUMENT`), `unknown_domain` (answered `OK`). `domain` is the configured domain, empty for `invalid` and `unknown_domain` (a request's domain is not a label). |
+//! | `tollgate_envoy_store_errors_total` | counter | store calls | `domain`, `pass` | Store calls of Envoy's rate limit service that failed, by `pass`: `enforced` (the call answered `UNAVAILABLE`), `shadow` (the shadow limits went uncounted; the call was answered as the enforced limits decided). |
+//! | `tollgate_envoy_config_reloads_total` | counter | reloads | `result` | Configurations put in place by `RateLimitService::set_config` or `reload_from` (`success`), and configurations `reload_from` refused for a problem, the running one kept (`error`). |
 //!
 //! The layers' names (`layer`) are set with `.name(..)` on their builders (by default
 //! `concurrency`, `shed` and `shape`), the client's (`client`) on `RetryPolicyBuilder`,
@@ -119,6 +127,15 @@ pub const CLIENT_BREAKER_STATE: &str = "tollgate_client_breaker_state";
 pub const CLIENT_BREAKER_TRANSITIONS_TOTAL: &str = "tollgate_client_breaker_transitions_total";
 /// `tollgate_client_throttled_total`, see the [table](self#every-metric).
 pub const CLIENT_THROTTLED_TOTAL: &str = "tollgate_client_throttled_total";
+
+/// `tollgate_envoy_hits_total`, see the [table](self#every-metric).
+pub const ENVOY_HITS_TOTAL: &str = "tollgate_envoy_hits_total";
+/// `tollgate_envoy_calls_total`, see the [table](self#every-metric).
+pub const ENVOY_CALLS_TOTAL: &str = "tollgate_envoy_calls_total";
+/// `tollgate_envoy_store_errors_total`, see the [table](self#every-metric).
+pub const ENVOY_STORE_ERRORS_TOTAL: &str = "tollgate_envoy_store_errors_total";
+/// `tollgate_envoy_config_reloads_total`, see the [table](self#every-metric).
+pub const ENVOY_CONFIG_RELOADS_TOTAL: &str = "tollgate_envoy_config_reloads_total";
 
 /// The type of a metric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -293,6 +310,30 @@ pub const ALL: &[Metric] = &[
         Kind::Counter,
         &["client"],
         "Requests a client's adaptive throttle refused itself.",
+    ),
+    metric(
+        ENVOY_HITS_TOTAL,
+        Kind::Counter,
+        &["domain", "descriptor", "outcome"],
+        "Hits of each descriptor of Envoy's ShouldRateLimit calls that matched a limit, by outcome.",
+    ),
+    metric(
+        ENVOY_CALLS_TOTAL,
+        Kind::Counter,
+        &["domain", "result"],
+        "Envoy's ShouldRateLimit calls, by result.",
+    ),
+    metric(
+        ENVOY_STORE_ERRORS_TOTAL,
+        Kind::Counter,
+        &["domain", "pass"],
+        "Failed store calls of Envoy's rate limit service, by pass (enforced, shadow).",
+    ),
+    metric(
+        ENVOY_CONFIG_RELOADS_TOTAL,
+        Kind::Counter,
+        &["result"],
+        "Envoy rate limit configurations put in place (success) or refused (error).",
     ),
 ];
 

@@ -325,6 +325,29 @@ async fn a_limit_sent_by_envoy_overrides_the_configured_one() {
     // The configured 3 a day for the same number is a separate counter.
     let plain = req("messaging", vec![d(&[("to_number", "555")])]);
     assert_eq!(codes(&mut c, &plain, 1).await, [OK]);
+    // Unit 7 is a week, as envoyproxy/ratelimit reads it; 8 is no unit.
+    let mut weekly = d(&[("to_number", "556")]);
+    weekly.limit = Some(RateLimitOverride {
+        requests_per_unit: 1,
+        unit: 7,
+    });
+    let answer = call(&mut c, req("messaging", vec![weekly.clone()])).await;
+    let limit = answer.statuses[0].current_limit.clone().unwrap();
+    assert_eq!((answer.overall_code(), limit.unit), (OK, 7));
+    assert!(answer.statuses[0].duration_until_reset.unwrap().seconds <= 7 * 86_400);
+    assert_eq!(
+        codes(&mut c, &req("messaging", vec![weekly.clone()]), 1).await,
+        [OVER]
+    );
+    weekly.limit = Some(RateLimitOverride {
+        requests_per_unit: 1,
+        unit: 8,
+    });
+    let e = c
+        .should_rate_limit(req("messaging", vec![weekly]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
 }
 
 #[tokio::test]

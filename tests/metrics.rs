@@ -756,6 +756,191 @@ async fn client_scenario() -> Seen {
     seen
 }
 
+/// A memory store that can be switched off: then every call fails.
+#[cfg(feature = "envoy")]
+#[derive(Clone)]
+struct Switched {
+    store: MemoryStore<ManualClock>,
+    down: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[cfg(feature = "envoy")]
+impl Store for Switched {
+    type Future = std::future::Ready<Result<Decision, StoreError>>;
+
+    fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
+        if self.down.load(Ordering::SeqCst) {
+            return std::future::ready(Err(StoreError::Backend("down".into())));
+        }
+        self.store.check_all(checks)
+    }
+}
+
+/// Envoy's rate limit service: hits by domain, configured path and outcome (detailed labels
+/// bounded), calls by result, the store's failures by pass, reloads.
+#[cfg(feature = "envoy")]
+async fn envoy_scenario() -> Seen {
+    use tollgate::envoy::proto::rate_limit_descriptor::{Entry, RateLimitOverride};
+    use tollgate::envoy::proto::{RateLimitDescriptor, RateLimitRequest, RateLimitUnit};
+    use tollgate::envoy::{Config, RateLimitService};
+
+    const EDGE: &str = "
+domain: edge
+descriptors:
+  - key: remote_address
+    rate_limit: { unit: minute, requests_per_unit: 10 }
+  - key: path
+    value: /login
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: user
+    detailed_metric: true
+    rate_limit: { unit: minute, requests_per_unit: 100 }
+  - key: beta
+    shadow_mode: true
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: ldap
+    rate_limit: { unlimited: true }
+";
+    let (recorder, snapshotter) = recorder();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let store = Switched {
+        store: MemoryStore::with_clock(ManualClock::new()),
+        down: Arc::clone(&down),
+    };
+    let service =
+        RateLimitService::new(store, Config::from_yaml(EDGE).unwrap()).max_metric_descriptors(3);
+    let d = |entries: &[(&str, &str)], hits: Option<u64>| RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: (*k).into(),
+                value: (*v).into(),
+            })
+            .collect(),
+        hits_addend: hits,
+        ..Default::default()
+    };
+    let req = |domain: &str, descriptors| RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
+    };
+    let code = |r: Result<tollgate::envoy::proto::RateLimitResponse, tonic::Status>| {
+        r.map(|r| r.overall_code).map_err(|s| s.code())
+    };
+    let login = || {
+        req(
+            "edge",
+            vec![
+                d(&[("remote_address", "10.0.0.1")], None),
+                d(&[("path", "/login")], None),
+            ],
+        )
+    };
+    // Both admitted: 0 of 1 left is near for the login limit, which decided; the address
+    // (9 of 10 left) within. Then the login limit refuses, and the address, all or nothing,
+    // counts nothing.
+    assert_eq!(code(service.decide(&login()).await), Ok(1));
+    assert_eq!(code(service.decide(&login()).await), Ok(2));
+    // 8 more: 1 of 10 left is near.
+    let eight = req("edge", vec![d(&[("remote_address", "10.0.0.1")], Some(8))]);
+    assert_eq!(code(service.decide(&eight).await), Ok(1));
+    // A limit sent by Envoy, then detailed labels: three at most, the fourth counts under the
+    // configured path.
+    let mut sent = d(&[("remote_address", "10.0.0.2")], None);
+    sent.limit = Some(RateLimitOverride {
+        requests_per_unit: 100,
+        unit: RateLimitUnit::Minute as i32,
+    });
+    assert_eq!(code(service.decide(&req("edge", vec![sent])).await), Ok(1));
+    for user in ["u1", "u2", "u3", "u1"] {
+        let call = req("edge", vec![d(&[("user", user)], None)]);
+        assert_eq!(code(service.decide(&call).await), Ok(1));
+    }
+    // The shadow limit: admitted (near), then it would refuse; both calls are OK.
+    let beta = req("edge", vec![d(&[("beta", "x")], None)]);
+    assert_eq!(code(service.decide(&beta).await), Ok(1));
+    assert_eq!(code(service.decide(&beta).await), Ok(1));
+    // Unlimited: a call, no hits.
+    let ldap = req("edge", vec![d(&[("ldap", "x")], None)]);
+    assert_eq!(code(service.decide(&ldap).await), Ok(1));
+    // Bad input and an unknown domain (its name is not a label).
+    let empty = req("", vec![d(&[("a", "b")], None)]);
+    assert_eq!(
+        code(service.decide(&empty).await),
+        Err(tonic::Code::InvalidArgument)
+    );
+    let elsewhere = req("elsewhere", vec![d(&[("a", "b")], None)]);
+    assert_eq!(code(service.decide(&elsewhere).await), Ok(1));
+    // The store down: an enforced limit is UNAVAILABLE, a shadow one goes uncounted.
+    down.store(true, Ordering::SeqCst);
+    let address = req("edge", vec![d(&[("remote_address", "10.0.0.3")], None)]);
+    assert_eq!(
+        code(service.decide(&address).await),
+        Err(tonic::Code::Unavailable)
+    );
+    assert_eq!(code(service.decide(&beta).await), Ok(1));
+    down.store(false, Ordering::SeqCst);
+    // Reloads: one put in place, one refused.
+    service.set_config(Config::from_yaml(EDGE).unwrap());
+    assert!(service.reload_from("/nonexistent/tollgate-envoy").is_err());
+
+    let mut seen = Seen::default();
+    seen.take(&snapshotter);
+    let hits = |descriptor, outcome| {
+        seen.counter(
+            m::ENVOY_HITS_TOTAL,
+            &[
+                ("domain", "edge"),
+                ("descriptor", descriptor),
+                ("outcome", outcome),
+            ],
+        )
+    };
+    assert_eq!(hits("remote_address", "within_limit"), 1);
+    assert_eq!(hits("remote_address", "not_counted"), 1);
+    assert_eq!(hits("remote_address", "near_limit"), 8);
+    assert_eq!(hits("remote_address", "over_limit"), 0);
+    assert_eq!(hits("path_/login", "near_limit"), 1);
+    assert_eq!(hits("path_/login", "over_limit"), 1);
+    assert_eq!(hits("override:remote_address", "within_limit"), 1);
+    assert_eq!(hits("user_u1", "within_limit"), 2);
+    assert_eq!(hits("user_u2", "within_limit"), 1);
+    assert_eq!(hits("user_u3", "within_limit"), 0, "past the bound");
+    assert_eq!(hits("user", "within_limit"), 1, "under the configured path");
+    assert_eq!(hits("beta", "near_limit"), 1);
+    assert_eq!(hits("beta", "shadow_mode"), 1);
+    assert_eq!(hits("ldap", "within_limit"), 0, "unlimited is not counted");
+    let calls = |domain, result| {
+        seen.counter(
+            m::ENVOY_CALLS_TOTAL,
+            &[("domain", domain), ("result", result)],
+        )
+    };
+    assert_eq!(calls("edge", "ok"), 11);
+    assert_eq!(calls("edge", "over_limit"), 1);
+    assert_eq!(calls("edge", "store_error"), 1);
+    assert_eq!(calls("", "invalid"), 1);
+    assert_eq!(calls("", "unknown_domain"), 1);
+    let failed = |pass| {
+        seen.counter(
+            m::ENVOY_STORE_ERRORS_TOTAL,
+            &[("domain", "edge"), ("pass", pass)],
+        )
+    };
+    assert_eq!((failed("enforced"), failed("shadow")), (1, 1));
+    let reloads = |result| seen.counter(m::ENVOY_CONFIG_RELOADS_TOTAL, &[("result", result)]);
+    assert_eq!((reloads("success"), reloads("error")), (1, 1));
+    seen
+}
+
+#[cfg(feature = "envoy")]
+#[tokio::test]
+async fn envoy_hits_calls_store_errors_and_reloads() {
+    envoy_scenario().await;
+}
+
 #[cfg(feature = "client")]
 #[tokio::test(start_paused = true)]
 async fn client_retries_give_ups_breaker_and_throttle() {
@@ -834,12 +1019,44 @@ fn documented() -> BTreeSet<String> {
         .collect()
 }
 
+/// The README's metric table names the same metrics as `tollgate::metrics::ALL`, with the
+/// same labels.
+#[test]
+fn the_readme_table_lists_every_metric() {
+    let readme = include_str!("../README.md");
+    let mut listed = BTreeMap::new();
+    for line in readme.lines() {
+        let Some(rest) = line.strip_prefix("| `tollgate_") else {
+            continue;
+        };
+        let cells: Vec<&str> = rest.split('|').map(str::trim).collect();
+        let name = format!("tollgate_{}", cells[0].trim_end_matches('`'));
+        let labels: Vec<String> = cells[2]
+            .split(", ")
+            .map(|l| l.trim().trim_matches('`').to_owned())
+            .filter(|l| !l.is_empty())
+            .collect();
+        assert!(
+            listed.insert(name.clone(), labels).is_none(),
+            "{name} twice"
+        );
+    }
+    let all: BTreeMap<String, Vec<String>> = m::ALL
+        .iter()
+        .map(|m| {
+            let labels = m.labels.iter().map(|l| (*l).to_owned()).collect();
+            (m.name.to_owned(), labels)
+        })
+        .collect();
+    assert_eq!(listed, all);
+}
+
 /// Every metric in the table is emitted by some scenario above, and the table, `ALL` and what
 /// the scenarios emitted name the same metrics.
 #[tokio::test(start_paused = true)]
 async fn every_documented_metric_is_emitted() {
     let documented = documented();
-    assert_eq!(documented.len(), 22, "{documented:?}");
+    assert_eq!(documented.len(), 26, "{documented:?}");
     let all: BTreeSet<String> = m::ALL.iter().map(|m| m.name.to_owned()).collect();
     assert_eq!(
         documented, all,
@@ -857,6 +1074,8 @@ async fn every_documented_metric_is_emitted() {
         shape_scenario().await,
         #[cfg(feature = "client")]
         client_scenario().await,
+        #[cfg(feature = "envoy")]
+        envoy_scenario().await,
     ] {
         emitted.extend(seen.emitted());
     }
@@ -871,6 +1090,14 @@ async fn every_documented_metric_is_emitted() {
             eprintln!("SKIPPED: {} (no redis-server)", m::DENY_CACHE_HITS_TOTAL);
             emitted.insert(m::DENY_CACHE_HITS_TOTAL.to_owned());
         }
+    }
+    if cfg!(not(feature = "envoy")) {
+        emitted.extend(
+            documented
+                .iter()
+                .filter(|name| name.starts_with("tollgate_envoy_"))
+                .cloned(),
+        );
     }
     if cfg!(not(feature = "client")) {
         emitted.extend(

@@ -31,16 +31,19 @@
 use std::error::Error;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use axum::Router;
 use axum::extract::Request;
 use axum::routing::{get, post};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::mpsc;
 use tollgate::config::{Bindings, Config, ConfigErrors, ConfiguredStore, Reloader};
 use tower::util::MapRequestLayer;
+
+#[path = "../common/prometheus.rs"]
+mod prometheus;
+pub use prometheus::prometheus;
 
 /// The signed-in user, as the authentication layer found it.
 #[derive(Clone, Debug)]
@@ -75,30 +78,6 @@ pub fn bindings() -> Bindings {
             // A real service asks its database here (the answer is cached per key).
             key.starts_with("pro-").then(|| "pro".to_owned())
         })
-}
-
-/// The metrics recorder (one per process).
-pub fn prometheus() -> Result<PrometheusHandle, Box<dyn Error>> {
-    static HANDLE: Mutex<Option<PrometheusHandle>> = Mutex::new(None);
-    let mut installed = HANDLE
-        .lock()
-        .map_err(|_| "a test panicked while installing")?;
-    if let Some(handle) = &*installed {
-        return Ok(handle.clone());
-    }
-    // Durations as histograms (buckets from 100 us to 10 s), so that dashboards can take
-    // quantiles over many instances.
-    let buckets = [
-        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-        10.0,
-    ];
-    let handle = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".to_owned()), &buckets)?
-        .install_recorder()?;
-    // Units and descriptions: the `# HELP` lines.
-    tollgate::metrics::describe();
-    *installed = Some(handle.clone());
-    Ok(handle)
 }
 
 /// The application: the router behind the configured layers, and the reloader of its rate

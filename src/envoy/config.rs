@@ -3,11 +3,13 @@
 //! descriptors are matched against.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use serde_norway::Value;
 
+use super::metrics::{Calls, Hits};
 use super::problems::Problems;
 pub use super::problems::{ConfigError, Problem};
 use super::reader::Reader;
@@ -82,6 +84,13 @@ pub(crate) struct Limit {
     pub(crate) name: Option<Arc<str>>,
     pub(crate) replaces: Box<[Arc<str>]>,
     pub(crate) shadow_mode: bool,
+    /// Its descriptor's path in the configuration, as envoyproxy/ratelimit names its
+    /// statistics: each level `key` or `key_value`, joined by `.` (empty for an override).
+    pub(crate) path: Arc<str>,
+    /// `detailed_metric: true`: its metrics are labelled by the request's values.
+    pub(crate) detailed_metric: bool,
+    /// Its metrics, registered at the first call that counts it.
+    pub(crate) hits: OnceLock<Hits>,
 }
 
 impl Limit {
@@ -99,7 +108,15 @@ impl Limit {
             name: None,
             replaces: Box::new([]),
             shadow_mode: false,
+            path: Arc::from(""),
+            detailed_metric: false,
+            hits: OnceLock::new(),
         }
+    }
+
+    /// Its metrics, labelled `domain` and its path.
+    pub(crate) fn hits(&self, domain: &str) -> &Hits {
+        self.hits.get_or_init(|| Hits::new(domain, &self.path))
     }
 }
 
@@ -121,6 +138,8 @@ pub(super) struct Node {
     /// `share_threshold: true` on a wildcard: the pattern that all its values count under.
     pub(super) shared_as: Option<Arc<str>>,
     pub(super) children: HashMap<String, Children>,
+    /// At a domain's root: the domain's call metrics, registered at its first call.
+    pub(super) calls: OnceLock<Arc<Calls>>,
 }
 
 impl Node {
@@ -143,8 +162,9 @@ pub(crate) struct Matched<'a> {
 /// Everything envoyproxy/ratelimit documents is read: `key`, `value` (exact, or with `*`
 /// wildcards), nested `descriptors`, `rate_limit` with `unit` (second, minute, hour, day, week,
 /// month, year; any case), `requests_per_unit`, `unlimited`, `name` and `replaces`, and
-/// `shadow_mode`, `share_threshold`. `detailed_metric`, `value_to_metric` and `metadata` are
-/// accepted and change nothing (they shape envoyproxy/ratelimit's statistics). `quota_mode:
+/// `shadow_mode`, `share_threshold`, and `detailed_metric` (the metrics of that limit are
+/// labelled by the request's values, within a bound: see the [module docs](super#metrics)).
+/// `value_to_metric` and `metadata` are accepted and change nothing. `quota_mode:
 /// true` is refused: tollgate does not implement quota mode. tollgate adds two keys to
 /// `rate_limit`: `algorithm` (`fixed_window`, the default and envoyproxy/ratelimit's only one;
 /// `sliding_window`, `sliding_log`, `token_bucket`, `leaky_bucket`, `gcra`), with the rate
@@ -233,6 +253,56 @@ impl Config {
     /// Whether `domain` is configured.
     pub fn has_domain(&self, domain: &str) -> bool {
         self.domains.contains_key(domain)
+    }
+
+    /// The call metrics of `domain`, if it is configured.
+    pub(crate) fn calls(&self, domain: &str) -> Option<&Arc<Calls>> {
+        let (name, root) = self.domains.get_key_value(domain)?;
+        Some(root.calls.get_or_init(|| Arc::new(Calls::new(name))))
+    }
+
+    /// Reads one YAML file, or every `*.yaml` and `*.yml` file of a folder (in name order,
+    /// not its subfolders), as envoyproxy/ratelimit reads its runtime folder. A file that
+    /// cannot be read, or a folder without such a file, is a problem (an empty configuration
+    /// would let every call through).
+    pub fn from_path(path: impl AsRef<Path>) -> Result<Config, ConfigError> {
+        let path = path.as_ref();
+        let mut problems = Problems::default();
+        let files: Vec<std::path::PathBuf> = if path.is_dir() {
+            match std::fs::read_dir(path) {
+                Ok(entries) => {
+                    let mut files: Vec<_> = entries
+                        .filter_map(|e| e.ok().map(|e| e.path()))
+                        .filter(|p| {
+                            p.is_file() && p.extension().is_some_and(|x| x == "yaml" || x == "yml")
+                        })
+                        .collect();
+                    files.sort();
+                    if files.is_empty() {
+                        problems.push(
+                            path.display().to_string(),
+                            "no *.yaml or *.yml file in this folder".into(),
+                        );
+                    }
+                    files
+                }
+                Err(e) => {
+                    problems.push(path.display().to_string(), format!("cannot read: {e}"));
+                    Vec::new()
+                }
+            }
+        } else {
+            vec![path.to_owned()]
+        };
+        let mut texts = Vec::with_capacity(files.len());
+        for file in &files {
+            match std::fs::read_to_string(file) {
+                Ok(text) => texts.push((file.display().to_string(), text)),
+                Err(e) => problems.push(file.display().to_string(), format!("cannot read: {e}")),
+            }
+        }
+        problems.finish()?;
+        Config::from_files(texts.iter().map(|(n, t)| (n.as_str(), t.as_str())))
     }
 
     /// The limit of one descriptor, matched as envoyproxy/ratelimit matches it: level by level,
@@ -531,5 +601,80 @@ descriptors:
         ));
         assert!(!wildcard_match(&parts("a*b*c"), "acb"));
         assert!(!wildcard_match(&parts("ab*ba"), "aba"));
+    }
+
+    #[test]
+    fn each_limit_knows_its_path_as_envoyproxy_ratelimit_names_its_statistics() {
+        let c = Config::from_yaml(
+            "
+domain: d
+descriptors:
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        detailed_metric: true
+        rate_limit: { unit: day, requests_per_unit: 2 }
+  - key: path
+    value: /api/*
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: remote_address
+    rate_limit: { unit: second, requests_per_unit: 2 }
+",
+        )
+        .unwrap();
+        let path = |entries: &[(&str, &str)]| {
+            let l = limit(&c, "d", entries).unwrap();
+            (l.path.to_string(), l.detailed_metric)
+        };
+        assert_eq!(
+            path(&[("message_type", "marketing"), ("to_number", "555")]),
+            ("message_type_marketing.to_number".to_owned(), true)
+        );
+        assert_eq!(
+            path(&[("path", "/api/v1")]),
+            ("path_/api/*".to_owned(), false)
+        );
+        assert_eq!(
+            path(&[("remote_address", "10.0.0.1")]),
+            ("remote_address".to_owned(), false)
+        );
+    }
+
+    #[test]
+    fn a_folder_is_read_file_by_file_and_an_empty_or_missing_one_is_a_problem() {
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-envoy-from-path-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("nested")).unwrap();
+        let problem = |path: &Path| {
+            Config::from_path(path).unwrap_err().problems()[0]
+                .message()
+                .to_owned()
+        };
+        assert!(problem(&dir).contains("no *.yaml or *.yml file"));
+        assert!(problem(&dir.join("missing.yaml")).contains("cannot read"));
+        std::fs::write(dir.join("a.yaml"), "domain: a\n").unwrap();
+        std::fs::write(dir.join("b.yml"), "domain: b\n").unwrap();
+        std::fs::write(dir.join("c.txt"), "not: read\n").unwrap();
+        std::fs::write(dir.join("nested/d.yaml"), "domain: d\n").unwrap();
+        let mut domains: Vec<String> = Config::from_path(&dir)
+            .unwrap()
+            .domains()
+            .map(str::to_owned)
+            .collect();
+        domains.sort();
+        assert_eq!(domains, ["a", "b"]);
+        std::fs::write(dir.join("b.yml"), "domain: a\n").unwrap();
+        let err = Config::from_path(&dir).unwrap_err();
+        assert!(err.problems()[0].path().ends_with("b.yml: domain"), "{err}");
+        assert_eq!(
+            Config::from_path(dir.join("a.yaml"))
+                .unwrap()
+                .domains()
+                .collect::<Vec<_>>(),
+            ["a"]
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

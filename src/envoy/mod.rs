@@ -32,6 +32,9 @@
 //!   (and keeps a client that is over its per-second limit from ever recovering its daily
 //!   one). tollgate decides every enforced descriptor of a call in **one**
 //!   [`Store::check_all`](crate::Store::check_all): a call over any limit consumes from none.
+//!   envoyproxy/ratelimit's `STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT` comes near: it reads
+//!   the counters first and leaves out increments when one would go over, but the read and
+//!   the increments are two round trips, so calls that meet between them still count.
 //! - **Statuses.** One store call answers with the decision that binds: that descriptor's
 //!   status is exact (`limit_remaining`, and `duration_until_reset` the time until the limit
 //!   has reset, or on a refusal until this call would be admitted); the other counted
@@ -48,8 +51,49 @@
 //!   filter sets `failure_mode_deny: true`. Wrap the store in a
 //!   [`ResilientStore`](crate::store::ResilientStore) to decide inside tollgate instead
 //!   (fail open, fail closed, or a local fallback).
-//! - `quota_mode` is refused when the configuration is read; `detailed_metric`,
-//!   `value_to_metric` and `metadata` are accepted and change nothing.
+//! - `quota_mode` is refused when the configuration is read; `value_to_metric` and
+//!   `metadata` are accepted and change nothing; `detailed_metric` labels the metrics by the
+//!   request's values, within a bound (below).
+//!
+//! # Metrics
+//!
+//! With the `metrics` feature the service records, through the [`metrics`](crate::metrics)
+//! facade (install the recorder before building the service):
+//!
+//! - `tollgate_envoy_hits_total{domain, descriptor, outcome}`: the hits of each descriptor
+//!   that matched a counted limit, by `outcome`: `within_limit`, `near_limit` (more than
+//!   80 % of the limit used, envoyproxy/ratelimit's default ratio; of the descriptors of one
+//!   call, only the one that runs out first can be near, as the one store call tells the
+//!   others' remainders only as lower bounds), `over_limit`,
+//!   `shadow_mode` (a shadow limit would have refused), `not_counted` (another limit of the
+//!   call refused it: all or nothing). They are exclusive, so their sum is
+//!   envoyproxy/ratelimit's `total_hits`, and its `within_limit` is ours plus `near_limit`.
+//! - `tollgate_envoy_calls_total{domain, result}`: `ok`, `over_limit`, `store_error`,
+//!   `invalid`, `unknown_domain` (the last two with an empty `domain`: a request's domain is
+//!   never a label).
+//! - `tollgate_envoy_store_errors_total{domain, pass}`: failed store calls, `enforced` or
+//!   `shadow`.
+//! - `tollgate_envoy_config_reloads_total{result}`: `success` ([`RateLimitService::set_config`],
+//!   [`RateLimitService::reload_from`]) or `error` (a configuration `reload_from` refused).
+//!
+//! `descriptor` is the configured descriptor's path, as envoyproxy/ratelimit names its
+//! statistics (`key` or `key_value` per level, joined by `.`: `message_type_marketing.to_number`),
+//! never the request's values, so the labels are bounded by the configuration. Two cases take
+//! a label from the request: `detailed_metric: true` on the descriptor with the limit (each
+//! entry's `key_value` as the request sent it; a `share_threshold` wildcard's pattern in place
+//! of the value), and a limit Envoy sent (`override:` and the entries' keys). A service makes
+//! at most [`RateLimitService::max_metric_descriptors`] such labels (default
+//! [`DEFAULT_MAX_METRIC_DESCRIPTORS`]); past it, a new detailed label counts under the
+//! configured path and a new override under `_other`. envoyproxy/ratelimit has no such bound.
+//!
+//! # Reload
+//!
+//! [`RateLimitService::set_config`] swaps the configuration for every clone of the service;
+//! [`RateLimitService::reload_from`] reads a file or folder ([`Config::from_path`]) first and
+//! keeps the running configuration when the new one has a problem. Counters live in the store
+//! under the descriptor's entries and the limit's parameters: a limit the new configuration
+//! keeps unchanged keeps its counts. `examples/envoy_rls.rs` reloads on SIGHUP and when its
+//! files change.
 //!
 //! ```
 //! use tollgate::MemoryStore;
@@ -86,10 +130,14 @@
 //! (tonic's `server` feature); `examples/envoy_rls.rs` is a complete server.
 
 mod config;
+mod metrics;
 mod problems;
 pub mod proto;
 mod reader;
 mod service;
 
 pub use config::{Config, ConfigError, Problem, Unit};
-pub use service::{DEFAULT_MAX_DESCRIPTORS, DEFAULT_MAX_ENTRY_LEN, RateLimitService};
+pub use service::{
+    DEFAULT_MAX_DESCRIPTORS, DEFAULT_MAX_ENTRY_LEN, DEFAULT_MAX_METRIC_DESCRIPTORS,
+    RateLimitService,
+};

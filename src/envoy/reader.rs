@@ -83,12 +83,14 @@ impl Reader<'_> {
         }
         let mut root = Node::default();
         if let Some(list) = map.get("descriptors") {
-            self.descriptors("descriptors", list, &mut root);
+            self.descriptors("descriptors", list, &mut root, "");
         }
         Some((domain?, root))
     }
 
-    fn descriptors(&mut self, path: &str, list: &Value, parent: &mut Node) {
+    /// The descriptors of `list` into `parent`, whose path is `stat` (as envoyproxy/ratelimit
+    /// names its statistics: `key` or `key_value` per level, joined by `.`).
+    fn descriptors(&mut self, path: &str, list: &Value, parent: &mut Node, stat: &str) {
         let items = match list {
             Value::Sequence(items) => items,
             Value::Null => return,
@@ -133,9 +135,8 @@ impl Reader<'_> {
             };
             let shadow_mode = flag(self, "shadow_mode");
             let share_threshold = flag(self, "share_threshold");
-            for name in ["detailed_metric", "value_to_metric"] {
-                flag(self, name);
-            }
+            let detailed_metric = flag(self, "detailed_metric");
+            flag(self, "value_to_metric");
             if flag(self, "quota_mode") {
                 self.problem(
                     &join(&here, "quota_mode"),
@@ -165,17 +166,33 @@ impl Reader<'_> {
                     "only a wildcard value (with '*') can share its threshold",
                 );
             }
+            let level = match (&key, value.is_empty()) {
+                (Some(k), true) => k.clone(),
+                (Some(k), false) => format!("{k}_{value}"),
+                (None, _) => String::new(),
+            };
+            let stat_here = if stat.is_empty() {
+                level
+            } else {
+                format!("{stat}.{level}")
+            };
             let mut node = Node::default();
             if let Some(rl) = map.get("rate_limit") {
                 node.limit = self
                     .rate_limit(&join(&here, "rate_limit"), rl, shadow_mode)
-                    .map(Arc::new);
+                    .map(|limit| {
+                        Arc::new(Limit {
+                            path: Arc::from(stat_here.as_str()),
+                            detailed_metric,
+                            ..limit
+                        })
+                    });
             }
             if share_threshold && value.contains('*') {
                 node.shared_as = Some(Arc::from(value.as_str()));
             }
             if let Some(list) = map.get("descriptors") {
-                self.descriptors(&join(&here, "descriptors"), list, &mut node);
+                self.descriptors(&join(&here, "descriptors"), list, &mut node, &stat_here);
             }
             let Some(key) = key else { continue };
             if !seen.insert((key.clone(), value.clone())) {
@@ -348,6 +365,9 @@ impl Reader<'_> {
             name: name.map(Arc::from),
             replaces: replaces.into(),
             shadow_mode,
+            path: Arc::from(""),
+            detailed_metric: false,
+            hits: std::sync::OnceLock::new(),
         })
     }
 

@@ -8,7 +8,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use tonic::{Request, Response, Status};
 
-use super::config::{Config, Limit, LimitKind, Unit};
+use super::config::{Config, ConfigError, Limit, LimitKind, Unit};
+use super::metrics::{Hits, Outcome, ServiceMetrics};
 use super::proto::rate_limit_descriptor::RateLimitOverride;
 use super::proto::rate_limit_response::{Code, DescriptorStatus, RateLimit, rate_limit};
 use super::proto::rate_limit_service_server::RateLimitServiceServer;
@@ -16,6 +17,7 @@ use super::proto::{
     HeaderValue, RateLimitDescriptor, RateLimitRequest, RateLimitResponse, RateLimitUnit,
 };
 use crate::answer::{self, HeaderProfile};
+use crate::telemetry::METRICS;
 use crate::{Check, Decision, Policy, Store};
 
 /// The most descriptors one call may carry, unless set with
@@ -25,6 +27,10 @@ pub const DEFAULT_MAX_DESCRIPTORS: usize = 64;
 /// The longest key or value of a descriptor entry, in bytes, unless set with
 /// [`RateLimitService::max_entry_len`].
 pub const DEFAULT_MAX_ENTRY_LEN: usize = 1024;
+
+/// The most descriptor labels a service's metrics take from requests (`detailed_metric`,
+/// limits sent by Envoy), unless set with [`RateLimitService::max_metric_descriptors`].
+pub const DEFAULT_MAX_METRIC_DESCRIPTORS: usize = 1000;
 
 /// Keys longer than this are replaced by their SHA-256 (below every store's bound).
 const MAX_PLAIN_KEY_LEN: usize = 256;
@@ -38,10 +44,11 @@ pub struct RateLimitService<S> {
     options: Options,
 }
 
-/// What the clones of a service share: the store and the configuration.
+/// What the clones of a service share: the store, the configuration and the metrics.
 struct Inner<S> {
     store: S,
     config: ArcSwap<Config>,
+    metrics: ServiceMetrics,
 }
 
 /// What each clone carries.
@@ -50,6 +57,7 @@ struct Options {
     headers: HeaderProfile,
     max_descriptors: usize,
     max_entry_len: usize,
+    max_metric_descriptors: usize,
 }
 
 impl<S> Clone for RateLimitService<S> {
@@ -71,17 +79,21 @@ impl<S> std::fmt::Debug for RateLimitService<S> {
 }
 
 impl<S: Store> RateLimitService<S> {
-    /// The service for `config` on `store`; no response headers.
+    /// The service for `config` on `store`; no response headers. With the `metrics` feature
+    /// it records the `tollgate_envoy_*` metrics of [`tollgate::metrics`](crate::metrics) in
+    /// the recorder installed now (install it first).
     pub fn new(store: S, config: Config) -> Self {
         Self {
             inner: Arc::new(Inner {
                 store,
                 config: ArcSwap::from_pointee(config),
+                metrics: ServiceMetrics::new(),
             }),
             options: Options {
                 headers: HeaderProfile::Off,
                 max_descriptors: DEFAULT_MAX_DESCRIPTORS,
                 max_entry_len: DEFAULT_MAX_ENTRY_LEN,
+                max_metric_descriptors: DEFAULT_MAX_METRIC_DESCRIPTORS,
             },
         }
     }
@@ -110,12 +122,41 @@ impl<S: Store> RateLimitService<S> {
         self
     }
 
+    /// The most `descriptor` labels the metrics take from requests (default
+    /// [`DEFAULT_MAX_METRIC_DESCRIPTORS`]), for every clone of this service: the request's
+    /// values of a `detailed_metric: true` descriptor, and the keys of a limit Envoy sent.
+    /// Past it, a new detailed label counts under the configured path, a new override under
+    /// `_other`. 0 turns both off.
+    pub fn max_metric_descriptors(mut self, max: usize) -> Self {
+        self.options.max_metric_descriptors = max;
+        self
+    }
+
     /// Replaces the configuration, for every clone of this service, for the calls that start
     /// from now on (hot reload). Counters live in the store under the descriptor's entries and
     /// the limit's parameters, so a limit that the new configuration keeps unchanged keeps its
-    /// counts, and a changed one starts afresh.
+    /// counts, and a changed one starts afresh. Counted as a `success` in
+    /// `tollgate_envoy_config_reloads_total`.
     pub fn set_config(&self, config: Config) {
         self.inner.config.store(Arc::new(config));
+        self.inner.metrics.reloaded.increment(1);
+    }
+
+    /// Reads the configuration at `path` ([`Config::from_path`]: a file, or a folder's YAML
+    /// files) and puts it in place, as [`set_config`](Self::set_config) does. A configuration
+    /// with problems is returned as the error, and the running one stays (counted as an
+    /// `error` in `tollgate_envoy_config_reloads_total`).
+    pub fn reload_from(&self, path: impl AsRef<std::path::Path>) -> Result<(), ConfigError> {
+        match Config::from_path(path) {
+            Ok(config) => {
+                self.set_config(config);
+                Ok(())
+            }
+            Err(e) => {
+                self.inner.metrics.reload_refused.increment(1);
+                Err(e)
+            }
+        }
     }
 
     /// The tonic service, to add to a `tonic::transport::Server`.
@@ -132,9 +173,16 @@ impl<S: Store> RateLimitService<S> {
     pub async fn decide(&self, request: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
         let inner = &*self.inner;
         let options = self.options;
-        validate(request, options.max_descriptors, options.max_entry_len)?;
+        if let Err(status) = validate(request, options.max_descriptors, options.max_entry_len) {
+            inner.metrics.no_domain.invalid.increment(1);
+            return Err(status);
+        }
         let config = inner.config.load();
-        let known = config.has_domain(&request.domain);
+        let calls = config.calls(&request.domain).map(Arc::clone);
+        let Some(calls) = calls else {
+            inner.metrics.no_domain.unknown_domain.increment(1);
+            return Ok(unknown_domain(request.descriptors.len()));
+        };
 
         // What each descriptor is held to, and what it costs.
         let mut slots: Vec<Slot> = Vec::with_capacity(request.descriptors.len());
@@ -142,10 +190,15 @@ impl<S: Store> RateLimitService<S> {
             let cost = descriptor
                 .hits_addend
                 .unwrap_or(u64::from(request.hits_addend.max(1)));
-            let (limit, shared) = match (&descriptor.limit, known) {
-                (_, false) => (None, Vec::new()),
-                (Some(o), true) => (Some(Arc::new(override_limit(o)?)), Vec::new()),
-                (None, true) => match config.lookup(
+            let (limit, shared) = match &descriptor.limit {
+                Some(o) => match override_limit(o) {
+                    Ok(limit) => (Some(Arc::new(limit)), Vec::new()),
+                    Err(status) => {
+                        inner.metrics.no_domain.invalid.increment(1);
+                        return Err(status);
+                    }
+                },
+                None => match config.lookup(
                     &request.domain,
                     descriptor
                         .entries
@@ -163,7 +216,13 @@ impl<S: Store> RateLimitService<S> {
                 .as_ref()
                 .map(|_| counter_key(&request.domain, descriptor, &shared))
                 .unwrap_or_default();
-            slots.push(Slot { limit, cost, key });
+            slots.push(Slot {
+                limit,
+                cost,
+                key,
+                shared,
+                label: None,
+            });
         }
         // The slots hold what they need: no configuration is held across the store's calls.
         drop(config);
@@ -186,8 +245,18 @@ impl<S: Store> RateLimitService<S> {
                 }
             }
         }
+        // The metrics' labels that come from the request, for the limits that stay.
+        if METRICS {
+            for (slot, descriptor) in slots.iter_mut().zip(&request.descriptors) {
+                if let Some(limit) = &slot.limit {
+                    slot.label = self.label(&request.domain, descriptor, limit, &slot.shared);
+                }
+            }
+        }
 
         let mut statuses: Vec<DescriptorStatus> = slots.iter().map(Slot::unchecked).collect();
+        // What became of each descriptor's hits, for the metrics.
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; slots.len()];
         let mut overall = Code::Ok;
         let mut binding: Option<(usize, Decision)> = None;
 
@@ -204,6 +273,13 @@ impl<S: Store> RateLimitService<S> {
         }
         if refused_up_front {
             overall = Code::OverLimit;
+            for (i, slot) in slots.iter().enumerate() {
+                if slot.never_admitted(false) {
+                    outcomes[i] = Some(Outcome::Over);
+                } else if slot.counted(false).is_some() {
+                    outcomes[i] = Some(Outcome::NotCounted);
+                }
+            }
         } else if !enforced.is_empty() {
             let checks: Vec<Check<'_>> = enforced
                 .iter()
@@ -212,24 +288,45 @@ impl<S: Store> RateLimitService<S> {
                     Some(Check::new(&s.key, s.counted(false)?, s.cost))
                 })
                 .collect();
-            let decision =
-                inner.store.check_all(&checks).await.map_err(|e| {
-                    Status::unavailable(format!("the rate limit store failed: {e}"))
-                })?;
+            let decision = match inner.store.check_all(&checks).await {
+                Ok(decision) => decision,
+                Err(e) => {
+                    calls.store_error.increment(1);
+                    calls.store_failed_enforced.increment(1);
+                    return Err(Status::unavailable(format!(
+                        "the rate limit store failed: {e}"
+                    )));
+                }
+            };
             let at = enforced.get(decision.index()).copied().unwrap_or(0);
             fill(&mut statuses, &slots, &enforced, at, &decision);
             if !decision.allowed() {
                 overall = Code::OverLimit;
             }
+            outcomes_of(&mut outcomes, &slots, &enforced, at, &decision, false);
             binding = Some((at, decision));
         }
 
         // Shadow limits: counted only for a call the enforced limits admitted, in a call of
         // their own, and always OK.
+        // A shadow limit that no state could admit is not asked about: it would have refused.
         let shadows: Vec<usize> = (0..slots.len())
-            .filter(|&i| slots[i].counted(true).is_some())
+            .filter(|&i| slots[i].counted(true).is_some() && !slots[i].never_admitted(true))
             .collect();
-        if overall == Code::Ok && !shadows.is_empty() {
+        for (i, slot) in slots.iter().enumerate() {
+            if slot.never_admitted(true) {
+                outcomes[i] = Some(if overall == Code::Ok {
+                    Outcome::Shadow
+                } else {
+                    Outcome::NotCounted
+                });
+            }
+        }
+        if overall != Code::Ok {
+            for &i in &shadows {
+                outcomes[i] = Some(Outcome::NotCounted);
+            }
+        } else if !shadows.is_empty() {
             let checks: Vec<Check<'_>> = shadows
                 .iter()
                 .filter_map(|&i| {
@@ -237,11 +334,31 @@ impl<S: Store> RateLimitService<S> {
                     Some(Check::new(&s.key, s.counted(true)?, s.cost))
                 })
                 .collect();
-            if let Ok(decision) = inner.store.check_all(&checks).await {
-                let at = shadows.get(decision.index()).copied().unwrap_or(0);
-                fill(&mut statuses, &slots, &shadows, at, &decision);
-                for &i in &shadows {
-                    statuses[i].code = Code::Ok as i32;
+            match inner.store.check_all(&checks).await {
+                Ok(decision) => {
+                    let at = shadows.get(decision.index()).copied().unwrap_or(0);
+                    fill(&mut statuses, &slots, &shadows, at, &decision);
+                    outcomes_of(&mut outcomes, &slots, &shadows, at, &decision, true);
+                    for &i in &shadows {
+                        statuses[i].code = Code::Ok as i32;
+                    }
+                }
+                Err(_) => calls.store_failed_shadow.increment(1),
+            }
+        }
+
+        if METRICS {
+            match overall {
+                Code::Ok => calls.ok.increment(1),
+                _ => calls.over_limit.increment(1),
+            }
+            for (slot, outcome) in slots.iter().zip(&outcomes) {
+                if let (Some(outcome), Some(limit)) = (outcome, &slot.limit) {
+                    let hits = match &slot.label {
+                        Some(made) => made,
+                        None => limit.hits(&request.domain),
+                    };
+                    hits.record(*outcome, slot.cost);
                 }
             }
         }
@@ -261,6 +378,104 @@ impl<S: Store> RateLimitService<S> {
     }
 }
 
+impl<S> RateLimitService<S> {
+    /// The metrics of a descriptor whose label comes from the request, when it has one: a
+    /// limit Envoy sent (`override:` and its keys), or a `detailed_metric` limit (its entries'
+    /// `key_value`, a shared wildcard's pattern in place of the value). `None`: the limit's
+    /// own, labelled by its configured path.
+    fn label(
+        &self,
+        domain: &str,
+        descriptor: &RateLimitDescriptor,
+        limit: &Limit,
+        shared: &[Option<String>],
+    ) -> Option<Arc<Hits>> {
+        let metrics = &self.inner.metrics;
+        let max = self.options.max_metric_descriptors;
+        if descriptor.limit.is_some() {
+            let mut label = String::from("override:");
+            for (i, e) in descriptor.entries.iter().enumerate() {
+                if i > 0 {
+                    label.push('.');
+                }
+                label.push_str(&e.key);
+            }
+            return Some(
+                metrics
+                    .made(domain, &label, max)
+                    .unwrap_or_else(|| metrics.other(domain)),
+            );
+        }
+        if !limit.detailed_metric {
+            return None;
+        }
+        let mut label = String::new();
+        for (i, e) in descriptor.entries.iter().enumerate() {
+            if i > 0 {
+                label.push('.');
+            }
+            label.push_str(&e.key);
+            let value = shared
+                .get(i)
+                .and_then(Option::as_deref)
+                .unwrap_or(e.value.as_str());
+            if !value.is_empty() {
+                label.push('_');
+                label.push_str(value);
+            }
+        }
+        metrics.made(domain, &label, max)
+    }
+}
+
+/// The answer for a domain that is not configured: OK for every descriptor, as
+/// envoyproxy/ratelimit answers.
+fn unknown_domain(descriptors: usize) -> RateLimitResponse {
+    RateLimitResponse {
+        overall_code: Code::Ok as i32,
+        statuses: vec![
+            DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            };
+            descriptors
+        ],
+        ..Default::default()
+    }
+}
+
+/// What became of the hits of the descriptors `checked` in one store call whose decision came
+/// from `at`: on a refusal, over the limit there (in `shadow` mode: a shadow refusal) and not
+/// counted elsewhere. On an admission, near or within the limit at `at`, by what it has left;
+/// within for the others, whose remainder the decision does not tell (only a lower bound).
+fn outcomes_of(
+    outcomes: &mut [Option<Outcome>],
+    slots: &[Slot],
+    checked: &[usize],
+    at: usize,
+    decision: &Decision,
+    shadow: bool,
+) {
+    for &i in checked {
+        outcomes[i] = Some(if decision.allowed() {
+            if i == at {
+                let limit = slots[i].counted(shadow).map_or(0, Policy::limit);
+                Outcome::admitted(decision.remaining(), limit)
+            } else {
+                Outcome::Within
+            }
+        } else if i == at {
+            if shadow {
+                Outcome::Shadow
+            } else {
+                Outcome::Over
+            }
+        } else {
+            Outcome::NotCounted
+        });
+    }
+}
+
 #[tonic::async_trait]
 impl<S: Store> super::proto::rate_limit_service_server::RateLimitService for RateLimitService<S> {
     async fn should_rate_limit(
@@ -272,11 +487,14 @@ impl<S: Store> super::proto::rate_limit_service_server::RateLimitService for Rat
 }
 
 /// One descriptor of a call: its limit (none when nothing matched or it was replaced), its
-/// cost and its counter's key.
+/// cost, its counter's key, the wildcard pattern each entry counts under (share_threshold),
+/// and its metrics when a label of its own was made for it.
 struct Slot {
     limit: Option<Arc<Limit>>,
     cost: u64,
     key: String,
+    shared: Vec<Option<String>>,
+    label: Option<Arc<Hits>>,
 }
 
 impl Slot {
@@ -385,6 +603,9 @@ fn override_limit(o: &RateLimitOverride) -> Result<Limit, Status> {
         Ok(RateLimitUnit::Day) => Unit::Day,
         Ok(RateLimitUnit::Month) => Unit::Month,
         Ok(RateLimitUnit::Year) => Unit::Year,
+        // A week, as envoyproxy/ratelimit reads it: it takes the number as the response's
+        // unit, where 7 is WEEK (newer Envoys send it).
+        Err(_) if o.unit == rate_limit::Unit::Week as i32 => Unit::Week,
         Ok(RateLimitUnit::Unknown) | Err(_) => {
             return Err(Status::invalid_argument(
                 "a descriptor's limit override has no valid unit",
