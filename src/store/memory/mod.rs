@@ -374,10 +374,14 @@ impl<C: Clock> Inner<C> {
     /// One check: find the slot, decide, commit if admitted (a zero cost writes nothing).
     #[inline]
     fn check_one<K: Kept>(&self, key: &str, policy: &Policy, cost: u64) -> Decision {
-        let now = self.clock.now();
         let id = policy.id();
         let hash = self.hash(id, key.as_bytes());
         let mut shard = self.shard(hash);
+        // Read under the lock: the times of a key's decisions then follow the order in which
+        // they change its state. Read before it, a thread held up on the way (preempted, or
+        // waiting for the lock) would decide at a time earlier than decisions it finds
+        // committed, and see them as its future: a GCRA far below its limit refused.
+        let now = self.clock.now();
         let table = shard.table_mut::<K>(id);
         if let Some(slot) = table.and_then(|t| t.find_mut(hash, |s| s.is(key))) {
             let (decision, update) = slot.state.decide(policy, now, cost);
@@ -586,6 +590,60 @@ mod tests {
     use super::*;
     use crate::Rate;
     use crate::clock::ManualClock;
+
+    /// A decision reads its time under its shard's lock. The clock below lets another thread
+    /// check the same key a second later while the first check reads the time: read before
+    /// the lock (as it was), the first decided at a time before the second's commit and was
+    /// refused by a GCRA of one request per second; under the lock, the second waits for it.
+    #[test]
+    fn a_decision_reads_its_time_under_the_lock() {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::{Arc, OnceLock};
+        use std::time::Duration;
+
+        #[derive(Clone)]
+        struct Racing {
+            store: Arc<OnceLock<MemoryStore<Racing>>>,
+            time: Arc<AtomicU64>,
+            armed: Arc<AtomicBool>,
+        }
+        impl Clock for Racing {
+            fn now(&self) -> u64 {
+                let at = self.time.load(Ordering::SeqCst);
+                if self.armed.swap(false, Ordering::SeqCst) {
+                    // Another check of the key, a second later, on another thread; given up
+                    // to half a second (it cannot end while this check holds the lock).
+                    self.time.store(at + 1_000_000_000, Ordering::SeqCst);
+                    let store = self.store.get().unwrap().clone();
+                    let (done, finished) = std::sync::mpsc::channel();
+                    std::thread::spawn(move || {
+                        let policy = Policy::gcra(Rate::per_second(1), 1).unwrap();
+                        let d = store.check_now("k", &policy, 1).unwrap();
+                        let _ = done.send(d.allowed());
+                    });
+                    let _ = finished.recv_timeout(Duration::from_millis(500));
+                }
+                at
+            }
+        }
+        let clock = Racing {
+            store: Arc::new(OnceLock::new()),
+            time: Arc::new(AtomicU64::new(10_000_000_000)),
+            armed: Arc::new(AtomicBool::new(false)),
+        };
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .build();
+        assert!(clock.store.set(store.clone()).is_ok());
+        let policy = Policy::gcra(Rate::per_second(1), 1).unwrap();
+        clock.armed.store(true, Ordering::SeqCst);
+        let first = store.check_now("k", &policy, 1).unwrap();
+        assert!(
+            first.allowed(),
+            "the first request of an idle key: {first:?}"
+        );
+    }
 
     /// A store of one shard that tracks at most `cap` pairs.
     fn one_shard(cap: usize) -> MemoryStore<ManualClock> {
