@@ -112,7 +112,7 @@ async fn serve<S: Store>(service: RateLimitService<S>) -> RateLimitServiceClient
     tokio::spawn(async move {
         tonic::transport::Server::builder()
             .add_service(service.into_server())
-            .serve_with_incoming(TcpIncoming::from(listener))
+            .serve_with_incoming(TcpIncoming::from(listener).with_nodelay(Some(true)))
             .await
             .expect("serve");
     });

@@ -233,7 +233,7 @@ async fn serve<S: Store>(
     tonic::transport::Server::builder()
         .add_service(health)
         .add_service(service.into_server())
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), drain)
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), drain)
         .await?;
     Ok(())
 }

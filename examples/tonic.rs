@@ -34,7 +34,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         tonic::transport::Server::builder()
             .layer(layer)
             .add_service(grpc::greeter())
-            .serve_with_incoming(TcpIncoming::from(listener))
+            .serve_with_incoming(TcpIncoming::from(listener).with_nodelay(Some(true)))
             .await
     });
 
