@@ -1280,3 +1280,51 @@ async fn a_full_queue_pushes_out_the_longest_flows_newest_waiter() {
     assert_eq!(a.remove(0).await.unwrap(), StatusCode::OK);
     assert_eq!(b.await.unwrap().unwrap().status(), StatusCode::OK);
 }
+
+/// With two rules, a key's oldest waiter may lack the other rule's place while a younger one
+/// has it: a place of the key given back goes to the younger one, which fits (only the oldest
+/// was tried, and the younger waited out its wait while a place it fits was free).
+#[tokio::test(start_paused = true)]
+async fn a_flows_younger_waiter_that_fits_is_served() {
+    let limits = ConcurrencyLimitLayer::builder()
+        .rule(Rule::new("per-user").key(Header::from_static("x-user")), 2)
+        .rule(Rule::new("per-ip").key(Header::from_static("x-ip")), 1)
+        .queue(4, Duration::from_secs(5))
+        .clock(TokioClock::new())
+        .build()
+        .unwrap();
+    let service = limits.layer(tower::service_fn(|_: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(frames(1)))
+    }));
+    let request = |user: &str, ip: &str| {
+        Request::get("/")
+            .header("x-user", user)
+            .header("x-ip", ip)
+            .body(String::new())
+            .unwrap()
+    };
+    let _ip_x = service
+        .clone()
+        .oneshot(request("other", "x"))
+        .await
+        .unwrap();
+    let _u1 = service.clone().oneshot(request("u", "z")).await.unwrap();
+    let u2 = service.clone().oneshot(request("u", "q")).await.unwrap();
+    let start = tokio::time::Instant::now();
+    // The oldest waits for u and for ip x; the younger for u only.
+    let older = tokio::spawn(service.clone().oneshot(request("u", "x")));
+    tokio::task::yield_now().await;
+    let younger = tokio::spawn(service.clone().oneshot(request("u", "y")));
+    tokio::task::yield_now().await;
+    assert_eq!(limits.queued(), 2);
+    drop(u2);
+    let younger = younger.await.unwrap().unwrap();
+    assert_eq!(younger.status(), StatusCode::OK);
+    assert_eq!(
+        start.elapsed(),
+        Duration::ZERO,
+        "served when u's place came back"
+    );
+    assert_eq!(limits.queued(), 1);
+    assert!(!older.is_finished());
+}

@@ -5,11 +5,12 @@
 //!   applies to make one flow). A flow exists only while one of its requests waits, so the
 //!   queue's memory follows its length (at most `max_waiting` waiters, hence flows), not the
 //!   number of keys.
-//! - **Order**: when places come back, the head (oldest waiter) of each flow is tried in the
-//!   order of the fewest places its key holds, then the flow served least recently (a flow
-//!   new to the queue counts as never served), then the flow's age in the queue; the first
-//!   whose places are all free is served, and again while someone can be. Within a flow the
-//!   oldest waiter goes first.
+//! - **Order**: when places come back, the flows are tried in the order of the fewest places
+//!   their key holds, then the flow served least recently (a flow new to the queue counts as
+//!   never served), then the flow's age in the queue; in the first that has a waiter whose
+//!   places are all free, its oldest such waiter is served, and again while someone can be.
+//!   (With several rules, an older waiter of a flow may lack another rule's place that a
+//!   younger one has.)
 //! - **Hand-over**: a place given back while anyone waits is handed to the waiter it fits (the
 //!   releaser serves the queue, [`Shared::serve`]), and a newcomer that finds anyone waiting
 //!   queues behind them rather than taking a place first, so no newcomer overtakes a waiter
@@ -281,26 +282,27 @@ impl Shared {
                 .collect();
             order.sort_unstable();
             let mut served = None;
-            for &(.., i) in &order {
-                let Some(head) = fair.flows[i].waiters.front_mut() else {
-                    continue;
-                };
-                if head.permit.is_closed() {
-                    // Left (its ticket is on its way to remove it): skip it this time.
-                    continue;
-                }
-                if let Ok(permit) = self.take(&head.places) {
-                    served = Some((i, permit));
-                    break;
+            'flows: for &(.., i) in &order {
+                // Its oldest waiter that fits: with several rules, an older waiter may lack
+                // another rule's place (another key's) that a younger one has.
+                for (at, waiter) in fair.flows[i].waiters.iter().enumerate() {
+                    if waiter.permit.is_closed() {
+                        // Left (its ticket is on its way to remove it): skip it this time.
+                        continue;
+                    }
+                    if let Ok(permit) = self.take(&waiter.places) {
+                        served = Some((i, at, permit));
+                        break 'flows;
+                    }
                 }
             }
-            let Some((i, permit)) = served else {
+            let Some((i, at, permit)) = served else {
                 return;
             };
             fair.served += 1;
             let flow = &mut fair.flows[i];
             flow.last_served = fair.served;
-            let Some(waiter) = flow.waiters.pop_front() else {
+            let Some(waiter) = flow.waiters.remove(at) else {
                 return;
             };
             fair.left(queue, i);

@@ -50,8 +50,12 @@
 //!    of flows waiting (at least one place), and in at most as many places as its key has;
 //!    when the queue is full, a newcomer whose flow is under its share pushes out the newest
 //!    waiter of the longest flow, if that flow is over its share (that waiter is refused as
-//!    if the queue had been full). A flow under its share is never refused for a full queue.
-//! 4. **Its own places in order.** A place of a key goes to that key's oldest waiter it fits.
+//!    if the queue had been full). A flow under its share is not refused for a full queue
+//!    while some flow is over its share (with more flows than places in the queue, every
+//!    share is one place, and a newcomer is refused).
+//! 4. **Its own places in order.** A place of a key goes to the oldest waiter of that key's
+//!    flow that it fits (a key of a later rule has waiters in many flows: each flow is served
+//!    in the order of point 2).
 //!
 //! A waiter whose client goes away (its future dropped) leaves at once and takes nothing; a
 //! place handed to it as it went goes on to the next waiter. What is not promised: places in

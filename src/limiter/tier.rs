@@ -181,7 +181,10 @@ impl Future for CatchPanic {
 /// key is under way, waits for that lookup and takes its tier (one lookup per key at a time,
 /// in the rate limit and the concurrency layers alike). The wait is bounded by the
 /// [timeout](Tiers::timeout) of the lookup it waits for; should the request doing the lookup
-/// go away first (its client gave up), a waiting one asks in its place.
+/// go away first (its client gave up), a waiting one asks in its place, with a timeout of its
+/// own. A waiter has no deadline of its own beyond these: requests for a key that keep
+/// starting its lookup and going away before it ends keep that key's waiters waiting, each
+/// lookup within its timeout.
 ///
 /// ```
 /// use std::time::Duration;

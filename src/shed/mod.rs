@@ -137,8 +137,12 @@
 //! - **Win a race for a free place** below `fair_from`, up to the headroom of point 2: a
 //!   tenant never seen before reserves nothing until it asks.
 //! - **Dilute the shares** by naming tenants: key tenants by what your authentication vouches
-//!   for. At most 4,096 tenants are told apart: past that, tenants not yet remembered share
-//!   one entry (and one share) until entries expire.
+//!   for. A tenant counts from its first ask, refused or not, so requests under made-up names
+//!   cost their sender nothing but lower every share (4,096 of them a second make every share
+//!   one place, and reserve half the limit for tenants that hold none). At most 4,096 tenants
+//!   are told apart: past that, tenants not yet remembered share one entry (and one share)
+//!   until entries expire. Where the tenant key is not authenticated before the shedder, key
+//!   fairness by what the client cannot choose (its address behind trusted proxies).
 //! - **Use more time with the same places**: the share counts places, not how long each is
 //!   held.
 //! - **Contend with it on one lock**: the table of tenants is one lock, taken a few times per

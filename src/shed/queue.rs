@@ -292,6 +292,9 @@ impl Drop for Ticket {
             let now = self.shared.clock.now();
             queue.remove(&mut state, index, self.shared.fair.as_ref(), now);
             self.shared.look(queue, &mut state, now);
+            // Its tenant may have been forgotten with it, which raises the others' shares: a
+            // waiter may fit now.
+            self.shared.serve(queue, &mut state, now);
         }
         // The lock is released before the receiver is dropped: a place in it is given back
         // (to the next waiter) through the lock again.
@@ -653,6 +656,8 @@ async fn wait(
                 if now >= deadline || (state.codel.standing && waited >= queue.target) {
                     queue.remove(&mut state, index, shared.fair.as_ref(), now);
                     shared.look(queue, &mut state, now);
+                    // As when a waiter goes away: the others' shares may have grown.
+                    shared.serve(queue, &mut state, now);
                     ticket.queued = false;
                     record_wait(now);
                     queue.timed_out[class.index()].fetch_add(1, Ordering::Relaxed);
