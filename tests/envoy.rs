@@ -527,6 +527,14 @@ async fn bad_input_is_a_clear_status_and_counts_nothing() {
         .await
         .unwrap_err();
     invalid(e);
+    // More entries in one descriptor than any tree is deep.
+    let keys: Vec<String> = (0..65).map(|i| format!("k{i}")).collect();
+    let deep: Vec<(&str, &str)> = keys.iter().map(|k| (k.as_str(), "v")).collect();
+    let e = c
+        .should_rate_limit(req("messaging", vec![d(&deep)]))
+        .await
+        .unwrap_err();
+    assert!(invalid(e).contains("65 entries, more than 64"));
     // A megabyte value.
     let big = "x".repeat(1 << 20);
     let e = c

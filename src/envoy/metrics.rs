@@ -72,7 +72,10 @@ impl Hits {
         }
     }
 
+    /// Counts `hits` (at most `u32::MAX` a call: a client's cost of `u64::MAX` would wrap the
+    /// counter, which Prometheus would read as a reset).
     pub(super) fn record(&self, outcome: Outcome, hits: u64) {
+        let hits = hits.min(u64::from(u32::MAX));
         match outcome {
             Outcome::Within => &self.within,
             Outcome::Near => &self.near,

@@ -44,7 +44,8 @@
 //!   the enforced limits admitted, and always answer `OK`.
 //! - **Bad input is refused, not guessed at**: `INVALID_ARGUMENT` for an empty domain, no
 //!   descriptors, more than [`DEFAULT_MAX_DESCRIPTORS`] descriptors, a descriptor without
-//!   entries or with an empty key, a key or value over [`DEFAULT_MAX_ENTRY_LEN`] bytes, a
+//!   entries, with more than [`MAX_DESCRIPTOR_ENTRIES`] or with an empty key, a key or value
+//!   over [`DEFAULT_MAX_ENTRY_LEN`] bytes, a
 //!   limit override without a unit, or negative hits. A cost above a limit (say a
 //!   `hits_addend` of `u32::MAX`) is `OVER_LIMIT` without touching the store.
 //! - **Store failures** are `UNAVAILABLE`: Envoy then lets the request through unless its
@@ -139,5 +140,5 @@ mod service;
 pub use config::{Config, ConfigError, Problem, Unit};
 pub use service::{
     DEFAULT_MAX_DESCRIPTORS, DEFAULT_MAX_ENTRY_LEN, DEFAULT_MAX_METRIC_DESCRIPTORS,
-    RateLimitService,
+    MAX_DESCRIPTOR_ENTRIES, RateLimitService,
 };

@@ -24,6 +24,14 @@ use crate::{Check, Decision, Policy, Store};
 /// [`RateLimitService::max_descriptors`].
 pub const DEFAULT_MAX_DESCRIPTORS: usize = 64;
 
+/// The most entries one descriptor may carry (deeper than any configuration's tree: Envoy's
+/// actions make a handful).
+pub const MAX_DESCRIPTOR_ENTRIES: usize = 64;
+
+/// The longest descriptor label a call's limit override makes (`override:` and its keys);
+/// a longer one is labelled by a hash of its keys.
+const MAX_OVERRIDE_LABEL: usize = 256;
+
 /// The longest key or value of a descriptor entry, in bytes, unless set with
 /// [`RateLimitService::max_entry_len`].
 pub const DEFAULT_MAX_ENTRY_LEN: usize = 1024;
@@ -400,6 +408,13 @@ impl<S> RateLimitService<S> {
                 }
                 label.push_str(&e.key);
             }
+            if label.len() > MAX_OVERRIDE_LABEL {
+                use std::hash::{Hash, Hasher};
+                // A fixed hasher: the same keys get the same label in every process.
+                let mut hasher = std::hash::DefaultHasher::new();
+                label.hash(&mut hasher);
+                label = format!("override:#{:016x}", hasher.finish());
+            }
             return Some(
                 metrics
                     .made(domain, &label, max)
@@ -645,6 +660,12 @@ fn validate(
         if d.entries.is_empty() {
             return Err(Status::invalid_argument(format!(
                 "descriptor {i} has no entries"
+            )));
+        }
+        if d.entries.len() > MAX_DESCRIPTOR_ENTRIES {
+            return Err(Status::invalid_argument(format!(
+                "descriptor {i} has {} entries, more than {MAX_DESCRIPTOR_ENTRIES}",
+                d.entries.len()
             )));
         }
         if d.is_negative_hits {
