@@ -110,8 +110,13 @@ fn load(path: &Path) -> Result<Config, ConfigError> {
     Config::from_path(path)
 }
 
+/// The largest configuration file the watcher reads (a bigger one reads as unreadable).
+const MAX_FILE: u64 = 16 << 20;
+
 /// What the configuration's files hold now: each `*.yaml` / `*.yml` file of the folder (or the
-/// one file) with its content, in name order; a file that cannot be read holds nothing.
+/// one file) with its content, in name order; a file that cannot be read holds nothing, and
+/// so does anything that is not a regular file (a FIFO would block the read, a device never
+/// end it) or is larger than [`MAX_FILE`].
 fn snapshot(path: &Path) -> Vec<(PathBuf, Option<Vec<u8>>)> {
     let files = if path.is_dir() {
         let mut files: Vec<PathBuf> = std::fs::read_dir(path)
@@ -128,7 +133,8 @@ fn snapshot(path: &Path) -> Vec<(PathBuf, Option<Vec<u8>>)> {
     files
         .into_iter()
         .map(|f| {
-            let content = std::fs::read(&f).ok();
+            let readable = std::fs::metadata(&f).is_ok_and(|m| m.is_file() && m.len() <= MAX_FILE);
+            let content = readable.then(|| std::fs::read(&f).ok()).flatten();
             (f, content)
         })
         .collect()
@@ -187,11 +193,10 @@ fn report(path: &Path, why: &str, result: &Result<(), ConfigError>) {
 /// reload's result on `done` (and stops when nobody listens).
 async fn watch<S: Store>(
     service: RateLimitService<S>,
-    path: PathBuf,
+    mut watch: Watch,
     every: Duration,
     done: tokio::sync::mpsc::UnboundedSender<bool>,
 ) {
-    let mut watch = Watch::new(path);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -263,16 +268,13 @@ fn reload_on_hangup<S: Store>(service: RateLimitService<S>, path: PathBuf) {
 }
 
 async fn run<S: Store>(store: S, args: Args) -> Result<(), Box<dyn Error>> {
+    // The files as they are before they are read: a change made while they are read is seen.
+    let watcher = Watch::new(args.config.clone());
     let config = load(&args.config)?;
     let service = RateLimitService::new(store, config).headers(args.headers);
     reload_on_hangup(service.clone(), args.config.clone());
     let (done, mut reports) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(watch(
-        service.clone(),
-        args.config.clone(),
-        args.watch_every,
-        done,
-    ));
+    tokio::spawn(watch(service.clone(), watcher, args.watch_every, done));
     tokio::spawn(async move { while reports.recv().await.is_some() {} });
     let listener = TcpListener::bind(args.listen).await?;
     eprintln!("Envoy rate limit service on {}", listener.local_addr()?);
@@ -542,6 +544,22 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    /// What is not a regular file (a FIFO, a device behind a symlink) is not read: it reads
+    /// as an unreadable file, as a folder does.
+    #[cfg(unix)]
+    #[test]
+    fn the_watcher_reads_regular_files_only() {
+        let dir = config_copy("special");
+        std::os::unix::fs::symlink("/dev/zero", dir.join("zero.yaml")).unwrap();
+        std::fs::create_dir(dir.join("folder.yaml")).unwrap();
+        let seen = snapshot(&dir);
+        let of = |name: &str| seen.iter().find(|(p, _)| p.ends_with(name)).map(|(_, c)| c);
+        assert_eq!(of("zero.yaml"), Some(&None));
+        assert_eq!(of("folder.yaml"), Some(&None));
+        assert!(of("edge.yaml").is_some_and(Option::is_some));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     /// The watcher's loop looks every `every`, on tokio's paused time.
     #[tokio::test(start_paused = true)]
     async fn the_watcher_looks_every_interval() {
@@ -550,7 +568,7 @@ mod tests {
         let (done, mut reports) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(watch(
             service.clone(),
-            dir.clone(),
+            Watch::new(dir.clone()),
             Duration::from_secs(1),
             done,
         ));
