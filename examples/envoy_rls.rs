@@ -16,7 +16,9 @@
 //! `--watch-every 500ms`; a change is applied once two looks in a row agree) and on SIGHUP. A
 //! configuration with problems is reported, each with its path, and the running one kept;
 //! counters of unchanged limits carry on. Ctrl-C or SIGTERM: the health service reports
-//! NOT_SERVING, calls in flight finish, and the server exits. `examples/envoy/envoy.yaml` is
+//! NOT_SERVING, calls in flight finish, and the server exits (it stops accepting connections
+//! at once, so take an instance out of Envoy's cluster before stopping it: health checks do
+//! not get the time to see NOT_SERVING). `examples/envoy/envoy.yaml` is
 //! the Envoy side.
 //!
 //! ```text
@@ -256,11 +258,12 @@ async fn stop_signal() {
 
 /// Reads the configuration again on every SIGHUP.
 fn reload_on_hangup<S: Store>(service: RateLimitService<S>, path: PathBuf) {
+    // Installed here, before the task runs: a SIGHUP with no handler yet ends the process.
+    let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+        eprintln!("SIGHUP cannot be handled: the configuration is reloaded on changes only");
+        return;
+    };
     tokio::spawn(async move {
-        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        else {
-            return;
-        };
         while hup.recv().await.is_some() {
             report(&path, "SIGHUP", &service.reload_from(&path));
         }
