@@ -300,6 +300,43 @@ impl RedisCluster {
             .map(|n| ("127.0.0.1".to_owned(), n.port))
             .collect()
     }
+
+    /// Which of `nodes` holds the key named `name` (a Redis key name, hash tag included), by
+    /// the Cluster's own map as the node `ask` sees it (`CLUSTER KEYSLOT`, `CLUSTER NODES`):
+    /// it works while another node is down.
+    pub fn node_of(&self, ask: usize, name: &str) -> usize {
+        let asked = &self.nodes[ask];
+        let slot: u16 = asked
+            .cli(&["CLUSTER", "KEYSLOT", name])
+            .trim()
+            .parse()
+            .expect("CLUSTER KEYSLOT");
+        for line in asked.cli(&["CLUSTER", "NODES"]).lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let Some(port) = fields
+                .get(1)
+                .and_then(|a| a.split('@').next())
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse::<u16>().ok())
+            else {
+                continue;
+            };
+            let holds = fields.iter().skip(8).any(|range| {
+                let mut ends = range.split('-').map(|s| s.parse::<u16>());
+                match (ends.next(), ends.next()) {
+                    (Some(Ok(a)), Some(Ok(b))) => (a..=b).contains(&slot),
+                    (Some(Ok(a)), None) => a == slot,
+                    _ => false,
+                }
+            });
+            if holds {
+                if let Some(i) = self.nodes.iter().position(|n| n.port == port) {
+                    return i;
+                }
+            }
+        }
+        panic!("no node holds slot {slot}");
+    }
 }
 
 /// Every key on `server` (SCAN) with its PTTL.

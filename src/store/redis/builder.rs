@@ -203,6 +203,13 @@ impl RedisStoreBuilder {
     /// connects in the background, retrying with backoff: a service can start while Redis is
     /// down (its checks fail, promptly, until Redis answers; wrap the store in a
     /// [`ResilientStore`](crate::store::ResilientStore) to decide what that means).
+    ///
+    /// On a Cluster, waiting means: the Cluster's map read from the first seed node that
+    /// answers (`connect` fails only if none does), then up to the connect timeout for the
+    /// masters' connections, all at once, and their scripts loaded. A master that does not
+    /// answer by then does not fail `connect`: its keys fail until it is back, and its pool
+    /// keeps reconnecting, so that a service restarted during a one-master outage limits
+    /// every other key from the start.
     pub fn wait_for_redis(mut self, wait: bool) -> Self {
         self.wait = wait;
         self
@@ -293,9 +300,8 @@ impl RedisStoreBuilder {
             }
             Backend::One(pool)
         };
-        if self.wait {
-            // On a Cluster, every master; a master met later runs its first script with EVAL.
-            for pool in backend.pools() {
+        match &backend {
+            Backend::One(pool) if self.wait => {
                 for lua in scripts.all() {
                     pool.next()
                         .script_load::<Value, _>(lua.text)
@@ -303,6 +309,27 @@ impl RedisStoreBuilder {
                         .map_err(|e| backend_error(&e, timeout))?;
                 }
             }
+            Backend::Cluster(masters) if self.wait => {
+                // Every master that answers, at once. One that does not (down, or not yet
+                // up) fails only its own keys; its first script there goes whole with EVAL
+                // once it is back (the NOSCRIPT path).
+                let loads = masters.master_pools().into_iter().map(|pool| {
+                    let scripts = &scripts;
+                    async move {
+                        if !pool.is_connected() {
+                            return;
+                        }
+                        for lua in scripts.all() {
+                            let load = pool.next().script_load::<Value, _>(lua.text);
+                            if load.await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+                futures_util::future::join_all(loads).await;
+            }
+            _ => {}
         }
         let hasher = foldhash::fast::RandomState::default();
         let instance = hasher.hash_one((std::process::id(), local.now()));

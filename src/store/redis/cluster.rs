@@ -185,6 +185,23 @@ impl Masters {
         self.map.load().get(slot).map(|m| m.id)
     }
 
+    /// The pools of the masters in the map.
+    pub(super) fn master_pools(&self) -> Vec<Pool> {
+        self.map
+            .load()
+            .ranges
+            .iter()
+            .fold(Vec::new(), |mut pools: Vec<(u32, Pool)>, (_, _, m)| {
+                if !pools.iter().any(|(id, _)| *id == m.id) {
+                    pools.push((m.id, m.pool.clone()));
+                }
+                pools
+            })
+            .into_iter()
+            .map(|(_, pool)| pool)
+            .collect()
+    }
+
     /// Every master's pool, and the first seed's.
     pub(super) fn pools(&self) -> Vec<Pool> {
         let mut pools: Vec<Pool> = self.pools.lock().values().map(|m| m.pool.clone()).collect();
@@ -302,11 +319,12 @@ impl Masters {
                 map.ranges.push((start, end, self.master(&host, port)?));
             }
             if self.wait {
-                // The new masters' first calls should not pay for their connection.
-                for (_, _, m) in &map.ranges {
-                    let _ =
-                        tokio::time::timeout(self.connect_timeout, m.pool.wait_for_connect()).await;
-                }
+                // The new masters' first calls should not pay for their connection; all at
+                // once, so that a master down costs one connect timeout, not one each.
+                let waits = map.ranges.iter().map(|(_, _, m)| {
+                    tokio::time::timeout(self.connect_timeout, m.pool.wait_for_connect())
+                });
+                futures_util::future::join_all(waits).await;
             }
             self.map.store(Arc::new(map));
             return Ok(());

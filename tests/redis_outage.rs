@@ -1,0 +1,120 @@
+//! One Redis Cluster master down, at start and mid-run, for single keys and for stacks. The
+//! promise: one node down fails only its keys, nothing is lost, and the service comes back by
+//! itself.
+//!
+//! Real servers on the real clock (a Cluster's node timeout and fred's reconnections run on
+//! it). Nothing here waits for a time to pass: each test polls for a condition within a
+//! generous deadline, and counts outcomes rather than timing them. `--nocapture` prints the
+//! figures RELIABILITY.md quotes (decisions per master while one is down, time to recover).
+#![cfg(feature = "redis")]
+// The real clock: a Cluster's node timeout and fred's reconnections run on it.
+#![allow(clippy::disallowed_methods)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use tollgate::store::redis::RedisStore;
+use tollgate::{Policy, Rate};
+
+use support::RedisCluster;
+
+/// The tests run one at a time: each starts a Cluster and kills a node of it.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Generous: what a loaded two-core machine may make a live master take, many times over.
+const TIMEOUT: Duration = Duration::from_secs(1);
+
+fn roomy() -> Policy {
+    Policy::gcra(Rate::per_second(1_000_000), 1_000_000).unwrap()
+}
+
+/// A three-master Cluster whose live masters keep serving while one is down.
+fn cluster() -> Option<RedisCluster> {
+    RedisCluster::start_with(&["--cluster-require-full-coverage", "no"])
+}
+
+async fn connect(cluster: &RedisCluster) -> Result<RedisStore, tollgate::StoreError> {
+    RedisStore::builder()
+        .cluster(cluster.nodes())
+        .timeout(TIMEOUT)
+        .connect()
+        .await
+}
+
+/// `n` keys and the master each lives on (by the Cluster's map as node `ask` sees it).
+fn layout(
+    cluster: &RedisCluster,
+    store: &RedisStore,
+    policy: &Policy,
+    n: usize,
+    ask: usize,
+) -> (Vec<String>, Vec<usize>) {
+    let keys: Vec<String> = (0..n).map(|i| format!("user:{i}")).collect();
+    let nodes = keys
+        .iter()
+        .map(|k| cluster.node_of(ask, &store.key_name(k, policy)))
+        .collect();
+    (keys, nodes)
+}
+
+/// Per master: (decided, failed).
+type Tally = [(u32, u32); 3];
+
+/// Checks every key at once (cost 1): each master's decided and failed checks.
+async fn round(store: &RedisStore, keys: &[String], nodes: &[usize], policy: &Policy) -> Tally {
+    let answers =
+        futures_util::future::join_all(keys.iter().map(|k| store.check(k, policy, 1))).await;
+    let mut tally = [(0, 0); 3];
+    for (answer, &node) in answers.iter().zip(nodes) {
+        match answer {
+            Ok(_) => tally[node].0 += 1,
+            Err(_) => tally[node].1 += 1,
+        }
+    }
+    tally
+}
+
+/// A service that (re)starts while one master is down connects with the others and decides
+/// their keys; the down master's keys fail. (The store used to need every master at connect:
+/// `Err(Timeout)`, and no key limited.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_connects_during_a_one_master_outage() {
+    let _serial = SERIAL.lock().await;
+    let Some(mut cluster) = cluster() else {
+        return;
+    };
+    let policy = roomy();
+    let (keys, nodes) = {
+        let names = connect(&cluster)
+            .await
+            .expect("connect with every master up");
+        layout(&cluster, &names, &policy, 30, 1)
+    };
+    let down = 0;
+    assert!(
+        (1..3).all(|n| nodes.contains(&n)) && nodes.contains(&down),
+        "{nodes:?}"
+    );
+    cluster.nodes[down].kill();
+
+    let started = Instant::now();
+    let store = connect(&cluster)
+        .await
+        .expect("connect while one master is down");
+    let took = started.elapsed();
+    let during = round(&store, &keys, &nodes, &policy).await;
+    println!("connected during the outage in {took:?}; decided, failed per master: {during:?}");
+    for (node, (decided, failed)) in during.iter().enumerate() {
+        let on = nodes.iter().filter(|&&n| n == node).count() as u32;
+        if node == down {
+            assert_eq!((*decided, *failed), (0, on), "the down master's keys fail");
+        } else {
+            assert_eq!(
+                (*decided, *failed),
+                (on, 0),
+                "master {node}'s keys are decided"
+            );
+        }
+    }
+}
