@@ -205,8 +205,8 @@ impl RedisStoreBuilder {
     /// [`ResilientStore`](crate::store::ResilientStore) to decide what that means).
     ///
     /// On a Cluster, waiting means: the Cluster's map read from the first seed node that
-    /// answers (`connect` fails only if none does), then up to the connect timeout for the
-    /// masters' connections, all at once, and their scripts loaded. A master that does not
+    /// answers (`connect` fails only if none does), then up to the connect timeout plus one
+    /// call timeout for the masters' connections, all at once, and their scripts loaded. A master that does not
     /// answer by then does not fail `connect`: its keys fail until it is back, and its pool
     /// keeps reconnecting, so that a service restarted during a one-master outage limits
     /// every other key from the start.

@@ -215,8 +215,12 @@ impl Masters {
     }
 
     /// A pool of `pool_size` connections to `host:port`, connecting in the background and
-    /// reconnecting by itself; until it is connected its calls wait within their timeout (or
-    /// fail at once, connecting in the background).
+    /// reconnecting by itself, whatever its first attempt gives: until it is connected its
+    /// calls wait within their timeout.
+    ///
+    /// Never `fail_fast`: with it, a client whose first connection fails ends its connection
+    /// task for good, so a master down when the store first routes to it (at start, or where
+    /// a `MOVED` points to a node not up yet) would never be reached, even once it is back.
     fn build(
         builder: &Builder,
         pool_size: usize,
@@ -227,6 +231,7 @@ impl Masters {
         let config = builder.get_config().cloned().unwrap_or_default();
         builder.set_config(Config {
             server: ServerConfig::new_centralized(host, port),
+            fail_fast: false,
             ..config
         });
         let pool = builder.build_pool(pool_size)?;
