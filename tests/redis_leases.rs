@@ -791,8 +791,8 @@ async fn a_lease_call_dropped_unfinished_leaves_no_one_waiting() {
 
 /// Checks that wait for a key's lease call share its fate: when it times out they fail too,
 /// at once, instead of each sending a call of its own that could wait for another timeout.
-/// Redis is paused (CLIENT PAUSE) for longer than the timeout; once it resumes, it has run
-/// the lease call and nothing else.
+/// Redis is paused (CLIENT PAUSE) for longer than the timeout; once it resumes, it runs the
+/// lease call and the refund that followed it, and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_fail_with_the_lease_call_they_waited_for() {
     let server = redis_or_skip!();
@@ -825,9 +825,121 @@ async fn waiters_fail_with_the_lease_call_they_waited_for() {
         matches!(waiter, Err(tollgate::StoreError::Timeout(_))),
         "{waiter:?}"
     );
-    // Blocks until the pause ends, after the calls queued before it.
-    server.cli(&["PING"]);
-    assert_eq!(script_calls(&server), before + 1, "only the lease call ran");
+    // Once the pause ends: the lease call runs, and after it the refund of its token (it got
+    // no answer); no waiter sent a call of its own.
+    let name = a.redis().key_name("k", &policy);
+    assert!(
+        eventually(|| script_calls(&server) == before + 2).await,
+        "the lease call and its refund ran, and nothing else: {} calls",
+        script_calls(&server) - before
+    );
+    assert_eq!(
+        hget(&server, &name, "count"),
+        7,
+        "what the call took came back"
+    );
+}
+
+/// Polls `done` every 10 ms for up to 20 s (real time): whether it came true.
+async fn eventually(mut done: impl FnMut() -> bool) -> bool {
+    for _ in 0..2_000 {
+        if done() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    done()
+}
+
+/// A lease call that Redis runs after its caller stopped waiting (the server stopped with
+/// SIGSTOP while the call is out, resumed once the caller has its timeout) leaves nothing
+/// consumed: the refund of its token, sent after it on the same connection, runs after it.
+/// The request that took the lease and the background prefetch of a key whose lease runs
+/// low, both. (Before: the single-slot call kept what it took, up to a tenth of the limit per
+/// call, counted nowhere: Redis held 8 units for none admitted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_call_that_times_out_after_redis_ran_it_strands_nothing() {
+    let server = redis_or_skip!();
+    let clock = ManualClock::new();
+    at(&clock, T0 + 1_000 * MS);
+    let r = RedisStore::builder()
+        .url(server.url())
+        .prefix("late:")
+        .timeout(Duration::from_millis(300))
+        .injected_clock(clock.clone())
+        .connect()
+        .await
+        .expect("connect");
+    let a = LeasedStore::builder(r).sweep_every(None).build();
+    let policy = Policy::fixed_window(1_000, Duration::from_secs(3600)).unwrap();
+    let name = a.redis().key_name("k", &policy);
+    let count = || hget(&server, &name, "count") as u64;
+
+    // The request that takes the lease: seven units of demand, then the eighth.
+    for _ in 0..7 {
+        assert!(one(&a, "k", &policy).await.allowed());
+    }
+    let before = script_calls(&server);
+    server.signal("STOP");
+    let fetch = a.check("k", &policy, 1).await;
+    assert!(
+        matches!(fetch, Err(tollgate::StoreError::Timeout(_))),
+        "{fetch:?}"
+    );
+    server.signal("CONT");
+    assert!(
+        eventually(|| script_calls(&server) > before).await,
+        "the lease call ran"
+    );
+    let s = a.stats();
+    assert!(
+        eventually(|| count() == 7).await,
+        "a lease taken after its caller left stays consumed: Redis counts {} for 7 admitted; \
+         held {}, dropped {}, returned {}, in doubt {}",
+        count(),
+        s.outstanding,
+        s.units_dropped,
+        s.units_returned,
+        s.units_in_doubt,
+    );
+
+    // A prefetch: the key is hot with a lease; spending it past half starts the next lease
+    // call in the background, which times out while the server is stopped.
+    let mut admitted = 7 + heat(&a, "k", &policy, 30).await;
+    assert!(a.stats().outstanding > 0, "a lease is held");
+    let calls = script_calls(&server);
+    server.signal("STOP");
+    let mut prefetching = false;
+    for _ in 0..1_000 {
+        let d = a.check("k", &policy, 1).await.expect("from the lease");
+        assert!(d.allowed() && !d.reached_backend());
+        admitted += 1;
+        if a.stats().fetching > 0 {
+            prefetching = true;
+            break;
+        }
+    }
+    assert!(prefetching, "a prefetch started");
+    // It times out (the key's entry says so), and Redis runs it once resumed.
+    quiet(&[&a]).await;
+    server.signal("CONT");
+    assert!(
+        eventually(|| script_calls(&server) > calls).await,
+        "the prefetch ran"
+    );
+    let held = a.stats().outstanding;
+    let s = a.stats();
+    assert!(
+        eventually(|| count() == admitted + held).await,
+        "a prefetch that timed out stays consumed: Redis counts {} for {admitted} admitted and \
+         {held} held; dropped {}, returned {}, in doubt {}",
+        count(),
+        s.units_dropped,
+        s.units_returned,
+        s.units_in_doubt,
+    );
+    a.flush().await.unwrap();
+    assert_eq!(count(), admitted, "every lease back");
 }
 
 /// A check refused here because its key is short reports the wait Redis gave (the window's

@@ -4,14 +4,16 @@
 use std::fmt::Write as _;
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use fred::bytes::Bytes;
+use fred::clients::Client;
 use fred::types::{Key, Value};
 use smallvec::SmallVec;
 
 use super::cross_slot::answer_within;
-use super::scripts::{eval, static_str};
+use super::refund::blind_refund_of;
+use super::scripts::{eval_on, eval_traced, may_have_run, static_str};
 use super::{
     Answer, Answered, Call, Group, Inner, Item, Prepared, RedisError, Wanted, backend_error,
     horizon, supports,
@@ -27,15 +29,18 @@ impl Inner {
                 index,
                 want: check.cost(),
             }),
-            false,
+            None,
         )
     }
 
+    /// The call of `checks`: a lease-taking one (take.lua) with `in_doubt`, where it counts
+    /// the units Redis may hold for it unknown to its caller.
     pub(super) fn prepare_wanted<'c>(
         &self,
         checks: impl ExactSizeIterator<Item = Wanted<'c>>,
-        take: bool,
+        in_doubt: Option<Arc<AtomicU64>>,
     ) -> Result<Prepared, StoreError> {
+        let take = in_doubt.is_some();
         if checks.len() == 0 {
             return Ok(Prepared::Done(NOTHING_TO_CHECK.without_backend()));
         }
@@ -110,6 +115,7 @@ impl Inner {
             time,
             sent: local_now,
             take,
+            in_doubt,
         })))
     }
 
@@ -256,6 +262,44 @@ impl Inner {
             .map_or(NOTHING_TO_CHECK, |(d, _)| d)
     }
 
+    /// After a call on `group` that may have run without its answer coming back: takes back
+    /// by token whatever it consumed, on the connection it went to (so that the refund runs
+    /// after the call if the call ran at all, and finds nothing to take if it did not). Only
+    /// items with a refund token can be taken back (across slots, or leasing; a sliding
+    /// log's never leases). If the refund fails too, a lease-taking call counts what its
+    /// leases asked for as in doubt.
+    async fn refund_in_doubt(&self, call: &Call, group: &Group<'_>, client: &Client) {
+        let tokened = || {
+            group
+                .items
+                .iter()
+                .zip(&group.tokens)
+                .filter(|(_, token)| !token.is_empty())
+        };
+        if tokened().next().is_none() {
+            return;
+        }
+        let build = || {
+            self.refund_args(
+                self.now_args(),
+                tokened().map(|(it, token)| (blind_refund_of(it, token), it.want)),
+                "refund",
+            )
+        };
+        if eval_on::<Value, _>(client, &self.scripts.refund, build)
+            .await
+            .is_err()
+        {
+            if let Some(in_doubt) = &call.in_doubt {
+                let leased: u64 = tokened()
+                    .filter(|(it, _)| it.leasing())
+                    .map(|(it, _)| it.want)
+                    .sum();
+                in_doubt.fetch_add(leased, Ordering::Relaxed);
+            }
+        }
+    }
+
     pub(super) async fn consume(
         &self,
         call: &Call,
@@ -306,9 +350,15 @@ impl Inner {
             }
             (keys, args)
         };
-        let out = eval::<Vec<i64>>(&self.backend, lua, build)
-            .await
-            .map_err(|e| backend_error(&e, self.timeout))?;
+        let out = match eval_traced::<Vec<i64>>(&self.backend, lua, build).await {
+            (Ok(out), _) => out,
+            (Err(e), client) => {
+                if let (true, Some(client)) = (may_have_run(&e), client) {
+                    self.refund_in_doubt(call, group, &client).await;
+                }
+                return Err(backend_error(&e, self.timeout));
+            }
+        };
         if out.len() != 1 + stride * group.items.len() {
             return Err(StoreError::Backend(Box::new(RedisError {
                 message: format!("unexpected script answer of {} values", out.len()),

@@ -1,6 +1,7 @@
 //! Stacked checks across Cluster slots: one script call per slot at once, then refunds on the
 //! slots that consumed when another rejected (or settles when all admitted).
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use fred::types::Value;
@@ -88,19 +89,32 @@ impl Inner {
         } else {
             // Take back what the slots that admitted consumed.
             let refunds = groups.iter().zip(&results).filter_map(|(g, r)| match r {
-                Ok(a) if a.admitted => {
-                    Some(eval::<Value>(&self.backend, &self.scripts.refund, || {
+                Ok(a) if a.admitted => Some(async move {
+                    let refund = eval::<Value>(&self.backend, &self.scripts.refund, || {
                         let consumed = g.items.iter().zip(&g.tokens).zip(&a.decisions);
                         self.refund_args(
                             self.time_args(call),
                             consumed.map(|((it, t), a)| (refund_of(it, t, a), a.granted)),
                             "refund",
                         )
-                    }))
-                }
+                    });
+                    if refund.await.is_err() {
+                        // What this slot's leases took stays consumed: counted.
+                        if let Some(in_doubt) = &call.in_doubt {
+                            let leased: u64 = g
+                                .items
+                                .iter()
+                                .zip(&a.decisions)
+                                .filter(|(it, _)| it.leasing())
+                                .map(|(_, a)| a.granted)
+                                .sum();
+                            in_doubt.fetch_add(leased, Ordering::Relaxed);
+                        }
+                    }
+                }),
                 _ => None,
             });
-            let _ = futures_util::future::join_all(refunds).await;
+            futures_util::future::join_all(refunds).await;
             if gone {
                 // Admitted everywhere, but nobody waits for it any more: all went back.
                 return Err(StoreError::Timeout(self.timeout));

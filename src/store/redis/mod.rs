@@ -120,9 +120,12 @@
 //!   admitted calls can lag behind a burst, so the oldest entry is the least likely to be
 //!   needed).
 //!
-//! If a slot fails, the slots that consumed are refunded and the call returns the error. A call
-//! across slots runs in a task of its own, and its timeout ends the wait, not the call: its
-//! refunds still run, and a call admitted everywhere after its caller stopped waiting is
+//! If a slot fails, the slots that consumed are refunded and the call returns the error; a
+//! slot whose call got no answer (a timeout, a connection lost under it) may have run it, or
+//! may still run it (a paused server), so the refund of its tokens follows it on the same
+//! connection, where it runs after the call if the call ran and takes nothing otherwise. A
+//! call across slots runs in a task of its own, and its timeout ends the wait, not the call:
+//! its refunds still run, and a call admitted everywhere after its caller stopped waiting is
 //! taken back. Only one admitted in the instant between that check and its answer leaves its
 //! cost consumed (an over-rejection).
 //!
@@ -528,6 +531,9 @@ struct Call {
     sent: u64,
     /// Whether the call runs take.lua (some item may lease) rather than check.lua.
     take: bool,
+    /// A lease-taking call's count of units Redis may hold for it without its caller
+    /// knowing (see [`LeaseStats::units_in_doubt`]).
+    in_doubt: Option<Arc<AtomicU64>>,
 }
 
 enum Prepared {

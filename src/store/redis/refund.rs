@@ -46,3 +46,18 @@ pub(super) fn refund_of(it: &Item, token: &str, a: &Answered) -> Ticket {
         ref_t: a.ref_t,
     }
 }
+
+/// What refund.lua needs to take back an item's consumption whose answer never came: its
+/// token finds it (the references only the sliding log needs, and it has no token).
+pub(super) fn blind_refund_of(it: &Item, token: &str) -> Ticket {
+    Ticket {
+        key: it.key.clone(),
+        algorithm: it.algorithm,
+        limit: it.limit,
+        period: it.period,
+        horizon: it.horizon,
+        token: token.to_owned(),
+        ref_b: 0,
+        ref_t: 0,
+    }
+}

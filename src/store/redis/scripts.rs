@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use fred::bytes_utils::Str;
-use fred::clients::Pool;
+use fred::clients::{Client, Pool};
 use fred::error::{Error as FredError, ErrorKind};
 use fred::interfaces::{ClientLike, LuaInterface};
 use fred::types::scripts::Script;
@@ -186,8 +186,21 @@ pub(super) async fn eval<R: fred::types::FromValue>(
     lua: &Lua,
     build: impl Fn() -> (Vec<Key>, Vec<Value>),
 ) -> Result<R, FredError> {
+    eval_traced(backend, lua, build).await.0
+}
+
+/// [`eval`], and the connection the script was sent on last: a script sent after it on the
+/// same connection runs after it, if it ran at all (see [`may_have_run`]).
+pub(super) async fn eval_traced<R: fred::types::FromValue>(
+    backend: &Backend,
+    lua: &Lua,
+    build: impl Fn() -> (Vec<Key>, Vec<Value>),
+) -> (Result<R, FredError>, Option<Client>) {
     let masters = match backend {
-        Backend::One(pool) => return eval_on(pool, lua, build).await,
+        Backend::One(pool) => {
+            let client = pool.next().clone();
+            return (eval_on(&client, lua, build).await, Some(client));
+        }
         Backend::Cluster(masters) => masters,
     };
     // Built once for the slot and the call; again only for a redirection or NOSCRIPT.
@@ -196,25 +209,41 @@ pub(super) async fn eval<R: fred::types::FromValue>(
     let pool = masters
         .pool_for(slot)
         .map_or_else(|| masters.seed(), |(_, pool)| pool);
-    match eval_built::<R, _>(&pool, lua, built, &build).await {
+    let client = pool.next().clone();
+    match eval_built::<R, _>(&client, lua, built, &build).await {
         Err(e) if e.is_cluster() => {
             masters.refresh_soon();
             match cluster::moved_to(&e) {
-                Some((host, port)) => {
-                    let pool = masters.pool_at(&host, port)?;
-                    eval_on(&pool, lua, build).await
-                }
-                None => Err(e),
+                Some((host, port)) => match masters.pool_at(&host, port) {
+                    Ok(pool) => {
+                        let client = pool.next().clone();
+                        (eval_on(&client, lua, build).await, Some(client))
+                    }
+                    Err(e) => (Err(e), None),
+                },
+                None => (Err(e), None),
             }
         }
         Err(e) => {
             if *e.kind() != ErrorKind::Timeout || !pool.is_connected() {
                 masters.refresh_soon();
             }
-            Err(e)
+            (Err(e), Some(client))
         }
-        ok => ok,
+        ok => (ok, Some(client)),
     }
+}
+
+/// Whether a script whose call failed with `e` may still have run, or may run later: no
+/// answer came (a timeout: the command may have been written, and a paused or slow server
+/// runs it when it gets to it) or the connection failed under it. An error Redis answered
+/// (`NOSCRIPT`, `MOVED`, `OOM`, a script error) means it ran nothing (our scripts write only
+/// once every check has been decided).
+pub(super) fn may_have_run(e: &FredError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Timeout | ErrorKind::IO | ErrorKind::Canceled
+    )
 }
 
 pub(super) async fn eval_on<R: fred::types::FromValue, C: LuaInterface + Sync>(

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use fred::types::{Key, Value};
 use smallvec::SmallVec;
@@ -26,8 +27,17 @@ impl RedisStore {
     /// Decides `wanted` all or nothing, as [`RedisStore::check_all`] decides their checks,
     /// consuming for each up to its `want` where there is room for more than its cost (see
     /// take.lua). The future owns what it needs.
-    pub(crate) fn take(&self, wanted: &[Wanted<'_>]) -> TakeFuture {
-        match self.inner.prepare_wanted(wanted.iter().copied(), true) {
+    ///
+    /// The call runs in a task of its own (inside a runtime), so that its timeout stops the
+    /// wait, not the call: what it took after its caller stopped waiting goes back, and a
+    /// call whose answer never came is followed by a refund of its tokens on the same
+    /// connection (it runs after the call if the call ran). What may stay consumed for lack
+    /// of an answer is added to `in_doubt`.
+    pub(crate) fn take(&self, wanted: &[Wanted<'_>], in_doubt: &Arc<AtomicU64>) -> TakeFuture {
+        let prepared = self
+            .inner
+            .prepare_wanted(wanted.iter().copied(), Some(Arc::clone(in_doubt)));
+        match prepared {
             Err(e) => Box::pin(std::future::ready(Err(e))),
             Ok(Prepared::Done(decision)) => {
                 let sent = self.inner.local.now();
@@ -40,32 +50,38 @@ impl RedisStore {
             Ok(Prepared::Ask(call)) => {
                 let inner = Arc::clone(&self.inner);
                 let first_slot = call.items[0].slot;
-                if call.items.iter().all(|it| it.slot == first_slot) {
+                let across = call.items.iter().any(|it| it.slot != first_slot);
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    // No runtime to finish it in the background: the caller's future is the
+                    // call (dropped early, what Redis took for it stays consumed).
                     return Box::pin(async move { inner.take(&call, &|| false).await });
-                }
-                // Across slots: the call runs in a task of its own, so that a timeout stops
-                // the wait, not the call. Its refunds still run when a slot fails, and what
-                // it took after its caller stopped waiting goes back (a lease's `want` can be
-                // a tenth of the limit: cut off between consuming and refunding, it would
-                // stay consumed).
+                };
+                let in_doubt = Arc::clone(in_doubt);
                 Box::pin(async move {
-                    let permit = inner.cross_slot_permit()?;
+                    // Across slots, one of the bounded places (see `max_cross_slot_calls`).
+                    let permit = if across {
+                        Some(inner.cross_slot_permit()?)
+                    } else {
+                        None
+                    };
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     let worker = RedisStore {
                         inner: Arc::clone(&inner),
                     };
-                    tokio::spawn(async move {
+                    runtime.spawn(async move {
                         let _permit = permit;
                         let r = worker.inner.take(&call, &|| tx.is_closed()).await;
                         if let Err(Ok(taken)) = tx.send(r) {
-                            // The caller stopped waiting in the last instant: its leases'
-                            // units go back (the other checks' stay consumed).
+                            // The caller stopped waiting (across slots: in the last instant):
+                            // its leases' units go back (the other checks' stay consumed).
                             let back: Vec<(Ticket, u64)> = taken
                                 .items
                                 .into_iter()
                                 .filter_map(|it| Some((it.ticket?, it.granted)))
                                 .collect();
-                            let _ = worker.give_back(back).await;
+                            if let Err((units, _)) = worker.give_back(back).await {
+                                in_doubt.fetch_add(units, Ordering::Relaxed);
+                            }
                         }
                     });
                     answer_within(inner.timeout, rx).await

@@ -219,11 +219,14 @@ impl Shared {
                 self.install(&fetch, None, 0, Ended::Answered);
                 continue;
             };
-            let future = self.redis.take(&[Wanted {
-                check: check.with_cost(0),
-                index: 0,
-                want,
-            }]);
+            let future = self.redis.take(
+                &[Wanted {
+                    check: check.with_cost(0),
+                    index: 0,
+                    want,
+                }],
+                &self.in_doubt,
+            );
             let unfinished = Unfinished {
                 shared: Arc::clone(self),
                 locals: SmallVec::new(),
@@ -311,7 +314,7 @@ impl Shared {
         }
         Ok(Plan::Ask(Box::new(Ask {
             alone: wanted.len() == fetches.len(),
-            future: self.redis.take(&wanted),
+            future: self.redis.take(&wanted, &self.in_doubt),
             locals,
             fetches,
         })))

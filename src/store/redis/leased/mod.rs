@@ -82,6 +82,13 @@ pub struct LeaseStats {
     /// Unspent units neither spent nor given back (a refund that failed, units put back
     /// after their lease was returned, a lease whose key was no longer tracked when it came).
     pub units_dropped: u64,
+    /// Units Redis may hold for lease calls whose leases never reached this instance: a call
+    /// that got no answer (a timeout, a connection lost under it) and whose refund, sent
+    /// after it on the same connection, got none either; or a lease taken after its caller
+    /// stopped waiting, or by a stack that another slot refused, whose give-back failed. At
+    /// most this many stay consumed (an under-admission; often none: the call may not have
+    /// run, or its refund may have run unanswered). They are outside `units_leased`.
+    pub units_in_doubt: u64,
     /// Units held now in live or expired leases, unspent: the most the fleet is
     /// under-admitting because of this instance.
     pub outstanding: u64,
@@ -93,6 +100,8 @@ pub struct LeaseStats {
 
 struct Shared {
     redis: RedisStore,
+    /// [`LeaseStats::units_in_doubt`], counted by the lease calls themselves.
+    in_doubt: Arc<AtomicU64>,
     clock: Arc<dyn Clock>,
     config: Config,
     hasher: foldhash::fast::RandomState,
@@ -172,9 +181,10 @@ struct Shared {
 /// time; a check that finds no units while one is in flight waits for it (a round trip, as a
 /// Redis check would), then is decided again (going to Redis on its own if it must). If that
 /// call fails or times out, its waiters fail alike at once: no check waits for more than one
-/// timeout. A lease call whose future is dropped before it ends (outside a runtime, where
-/// nothing finishes it in the background) ends its key's wait too, and puts back what the
-/// stack took from leases; what Redis consumed for it, if the script ran, stays consumed.
+/// timeout (what such a call took, if Redis ran it, goes back: see the guarantees). A lease
+/// call whose future is dropped before it ends (outside a runtime, where nothing finishes it
+/// in the background) ends its key's wait too, and puts back what the stack took from leases;
+/// what Redis consumed for it, if the script ran, stays consumed.
 ///
 /// **Short keys.** When a lease call gets less than it asked for because the key is nearly out
 /// of quota (a bucket nearly empty, a window with nothing left, or the call refused), the key
@@ -216,6 +226,14 @@ struct Shared {
 ///   time has absorbed, as for cross-slot refunds); a window's refund takes them out of the
 ///   window's count if that window is still the current one (after it, there is nothing to
 ///   give back).
+/// - **Lease calls cut off by a timeout** leave nothing consumed that is not counted. Each
+///   lease call (a request's, or a prefetch in the background) runs in a task of its own: if
+///   its caller stopped waiting and Redis answers later, what it took goes back; if no answer
+///   comes at all (a timeout, a connection lost under it), a refund of its token follows it on
+///   the same connection, so that it runs after the call if the call ran, and takes nothing
+///   if it did not. What may still stay consumed (that refund unanswered too, or a give-back
+///   that failed) is counted in [`LeaseStats::units_in_doubt`], outside `outstanding`: at
+///   most that much more under-admission, until the window ends or the bucket refills.
 /// - **A crashed instance** strands at most its leases until they expire: a bucket's units
 ///   simply stay consumed (the bucket refills as usual), a window's stay counted until the
 ///   window ends. A bucket refund is honoured up to 2 s after the lease was taken (the
@@ -358,6 +376,7 @@ impl LeasedStoreBuilder {
         let shared = Arc::new(Shared {
             clock: Arc::clone(self.redis.local_clock()),
             redis: self.redis,
+            in_doubt: Arc::new(AtomicU64::new(0)),
             config: Config {
                 span: nanos(self.span),
                 lifetime: nanos(self.lifetime),
@@ -433,6 +452,7 @@ impl LeasedStore {
             local_refusals: get(&c.local_refusals),
             units_returned: get(&c.units_returned),
             units_dropped: get(&c.units_dropped),
+            units_in_doubt: get(&self.shared.in_doubt),
             outstanding,
             hot_keys,
             fetching,
