@@ -942,6 +942,82 @@ async fn a_lease_call_that_times_out_after_redis_ran_it_strands_nothing() {
     assert_eq!(count(), admitted, "every lease back");
 }
 
+/// A stack answered partly from a lease and partly by Redis reached Redis: its decision says
+/// so even when the leased check is the tighter one, so that a breaker counts it as the
+/// success it is. (It used to be marked as answered without the backend: two failures around
+/// an answered stack opened a breaker of two consecutive failures, and probes Redis answered
+/// left the breaker half-open.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stack_partly_answered_from_a_lease_counts_as_reaching_redis() {
+    use tollgate::store::resilient::BreakerStatus;
+    use tollgate::store::{ResilientStore, StoreError};
+    let server = redis_or_skip!();
+    let clock = ManualClock::new();
+    at(&clock, T0 + 1_000 * MS);
+    let a = leased(&server.url(), &clock, "mixed:", |b| b).await;
+    // The global key leases and is the tighter (fewer left); the user's goes to Redis.
+    let global = Policy::fixed_window(100, Duration::from_secs(3600)).unwrap();
+    let per_user = Policy::fixed_window(10_000, Duration::from_secs(3600)).unwrap();
+    heat(&a, "global", &global, 10).await;
+    assert!(a.stats().outstanding > 0, "the global key holds a lease");
+    // A key whose every check fails in Redis (not a hash: WRONGTYPE), a store failure.
+    let broken = a.redis().key_name("broken", &per_user);
+    server.cli(&["SET", &broken, "not a hash"]);
+    assert!(matches!(
+        a.check("broken", &per_user, 1).await,
+        Err(StoreError::Backend(_))
+    ));
+    let stack = [
+        Check::new("global", &global, 1),
+        Check::new("user", &per_user, 1),
+    ];
+    let local_before = a.stats().local_decisions;
+    let d = a.check_all(&stack).await.unwrap();
+    assert!(d.allowed());
+    assert_eq!(d.index(), 0, "the leased check is the tighter");
+    assert_eq!(
+        a.stats().local_decisions,
+        local_before + 1,
+        "from the lease"
+    );
+    assert!(d.reached_backend(), "Redis decided the user's check");
+
+    // Failure, answered stack, failure: not two consecutive failures.
+    let open_for = Duration::from_millis(100);
+    let r = ResilientStore::builder(a.clone())
+        .timeout(Duration::from_secs(10))
+        .breaker(2, open_for)
+        .build();
+    assert!(r.check("broken", &per_user, 1).await.is_err());
+    assert!(r.check_all(&stack).await.unwrap().allowed());
+    assert!(r.check("broken", &per_user, 1).await.is_err());
+    assert_eq!(r.breaker_state(), BreakerStatus::Closed);
+
+    // Two in a row open it; the first probe after `open_for`, a stack Redis answers, closes
+    // it.
+    assert!(r.check("broken", &per_user, 1).await.is_err());
+    assert_eq!(r.breaker_state(), BreakerStatus::Open);
+    let mut probed = None;
+    for _ in 0..2_000 {
+        match r.check_all(&stack).await {
+            Err(StoreError::CircuitOpen) => {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            other => {
+                probed = Some(other);
+                break;
+            }
+        }
+    }
+    let probe = probed.expect("a probe went after open_for").unwrap();
+    assert!(probe.allowed() && probe.reached_backend());
+    assert_eq!(
+        r.breaker_state(),
+        BreakerStatus::Closed,
+        "the probe closed it"
+    );
+}
+
 /// A check refused here because its key is short reports the wait Redis gave (the window's
 /// end, or the bucket's refill for that cost), not only the few milliseconds until the next
 /// lease call: a client told to come back in 10 ms would only be refused again.

@@ -100,6 +100,23 @@ impl Drop for Unfinished {
     }
 }
 
+/// `d`, marked as coming from the backend (a decision folded from local answers and Redis'
+/// answer reached Redis).
+pub(super) fn reached_backend(d: Decision) -> Decision {
+    if d.reached_backend() {
+        return d;
+    }
+    let nanos = |t: Duration| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX);
+    Decision::from_nanos(
+        d.allowed(),
+        d.limit(),
+        d.remaining(),
+        nanos(d.reset_after()),
+        d.retry_after().map_or(0, nanos),
+    )
+    .with_index(d.index())
+}
+
 /// Units taken from leases: (lease id, units).
 pub(super) type Parts = SmallVec<[(u64, u64); 2]>;
 
@@ -511,10 +528,17 @@ impl Shared {
         }
         // In the order of the checks, folded as the other stores fold them.
         decisions.sort_by_key(|(d, _)| d.index());
-        Ok(decisions
+        let decision = decisions
             .into_iter()
             .reduce(crate::decision::tighter)
-            .map_or(taken.decision, |(d, _)| d))
+            .map_or(taken.decision, |(d, _)| d);
+        // The call reached Redis and got its answer: a sign of its health whichever check
+        // turned out the tighter (a local one is marked as answered without the backend).
+        Ok(if taken.decision.reached_backend() {
+            reached_backend(decision)
+        } else {
+            decision
+        })
     }
 
     /// Ends a fetch: installs `extra` units of `answer`'s lease (its item, when its call was

@@ -248,7 +248,9 @@ struct Shared {
 ///   window's leased unit can admit a request whose other checks Redis decided just after
 ///   the window ended (counted in the window it was leased from, so no window counts more
 ///   than its limit).
-/// - **Decisions from a lease** (marked [`Decision::without_backend`]) report the distributed
+/// - **Decisions from a lease** (marked [`Decision::without_backend`], so that a circuit
+///   breaker does not take them for Redis' answers; a stack that Redis decided in part is
+///   marked as coming from Redis, whichever of its checks is the tighter) report the distributed
 ///   state as of the newest lease of the key: `remaining` is what Redis said was left after
 ///   it, plus the units this instance still holds; `reset_after` is Redis' value less the
 ///   time since the lease was sent. They do not see what other instances consumed since: for
@@ -799,6 +801,24 @@ mod tests {
         assert!(!d.reached_backend() && d.allowed() && d.index() == 3);
         let d = e.decision(0, 3, Some(7));
         assert_eq!(d.retry_after(), Some(Duration::from_nanos(7)));
+    }
+
+    #[test]
+    fn a_decision_marked_as_reaching_redis_keeps_every_value() {
+        let ms = Duration::from_millis;
+        for d in [
+            Decision::admitted(10, 3, ms(40)).with_index(2),
+            Decision::rejected(10, 0, ms(40), ms(7)).with_index(1),
+        ] {
+            let local = d.without_backend();
+            let marked = super::decide::reached_backend(local);
+            assert!(marked.reached_backend());
+            assert_eq!(marked, d);
+            assert_eq!(
+                (marked.retry_after(), marked.reset_after(), marked.index()),
+                (d.retry_after(), d.reset_after(), d.index())
+            );
+        }
     }
 
     #[test]
