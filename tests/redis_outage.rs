@@ -153,3 +153,138 @@ async fn a_store_connects_during_a_one_master_outage_and_finds_the_master_when_i
         "first met while down: every key decided {recovered:?} after the master was back ({rounds} rounds)"
     );
 }
+
+/// The first key `prefix{i}` whose Redis name under `policy` lives on a master `wanted` says.
+fn key_on(
+    cluster: &RedisCluster,
+    store: &RedisStore,
+    policy: &Policy,
+    prefix: &str,
+    ask: usize,
+    wanted: impl Fn(usize) -> bool,
+) -> String {
+    (0..1_000)
+        .map(|i| format!("{prefix}{i}"))
+        .find(|k| wanted(cluster.node_of(ask, &store.key_name(k, policy))))
+        .expect("a key on the wanted master")
+}
+
+/// A fixed window's count in Redis (0 when absent).
+fn count(cluster: &RedisCluster, node: usize, name: &str) -> u64 {
+    cluster.nodes[node]
+        .cli(&["HGET", name, "count"])
+        .trim()
+        .parse()
+        .unwrap_or(0)
+}
+
+/// A stack across a healthy master and a killed one: the healthy master's check is decided,
+/// and charged, where it lives; only the killed master's check takes the failure policy; the
+/// stack stays all or nothing. A tenant limit of 5 on a healthy master, spent before the
+/// other master died, admits nothing more under any policy. (The whole stack used to go to
+/// the failure policy: the local fallback admitted the tenant 5 more times, failing open 10.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stack_across_a_killed_master_is_decided_where_its_parts_live() {
+    use tollgate::Check;
+    use tollgate::store::resilient::BreakerStatus;
+    use tollgate::store::{FailurePolicy, ResilientStore, StoreError};
+
+    let _serial = SERIAL.lock().await;
+    let Some(mut cluster) = cluster() else {
+        return;
+    };
+    let store = connect(&cluster).await.expect("connect");
+    let spent = Policy::fixed_window(5, Duration::from_secs(3600)).unwrap();
+    let roomy = Policy::fixed_window(100, Duration::from_secs(3600)).unwrap();
+    let down = 0;
+    let user = key_on(&cluster, &store, &roomy, "user:", 1, |n| n == down);
+    let policies = [
+        FailurePolicy::LocalFallback,
+        FailurePolicy::Open,
+        FailurePolicy::Closed,
+    ];
+    // Per policy: a spent tenant and a roomy one, both on live masters.
+    let tenants: Vec<(String, String)> = policies
+        .iter()
+        .enumerate()
+        .map(|(n, _)| {
+            let live = |node| node != down;
+            (
+                key_on(&cluster, &store, &spent, &format!("spent{n}:"), 1, live),
+                key_on(&cluster, &store, &roomy, &format!("roomy{n}:"), 1, live),
+            )
+        })
+        .collect();
+    for (tenant, _) in &tenants {
+        for _ in 0..5 {
+            let stack = [Check::new(&user, &roomy, 1), Check::new(tenant, &spent, 1)];
+            assert!(store.check_all(&stack).await.unwrap().allowed());
+        }
+    }
+    cluster.nodes[down].kill();
+
+    for (policy, (tenant, other)) in policies.into_iter().zip(&tenants) {
+        let resilient = ResilientStore::builder(store.clone())
+            .timeout(TIMEOUT * 2)
+            .breaker(2, Duration::from_secs(3600))
+            .failure_policy(policy)
+            .build();
+        // The killed master's breaker opens (two failures on its own key).
+        for _ in 0..2 {
+            let _ = resilient.check(&user, &roomy, 1).await;
+        }
+        let states = resilient.breaker_states();
+        assert_eq!(
+            states
+                .iter()
+                .filter(|(_, s)| *s == BreakerStatus::Open)
+                .count(),
+            1,
+            "{policy:?}: {states:?}"
+        );
+        let (mut admitted, mut refused, mut by_policy, mut failed) = (0, 0, 0, 0);
+        for _ in 0..10 {
+            let stack = [Check::new(&user, &roomy, 1), Check::new(tenant, &spent, 1)];
+            match resilient.check_all(&stack).await {
+                Ok(d) if d.allowed() => admitted += 1,
+                Ok(d) if d.reached_backend() => {
+                    assert_eq!(d.index(), 1, "{policy:?}: the tenant refused");
+                    refused += 1;
+                }
+                Ok(_) => by_policy += 1,
+                Err(e) => {
+                    assert!(matches!(e, StoreError::CircuitOpen), "{policy:?}: {e:?}");
+                    failed += 1;
+                }
+            }
+        }
+        let tenant_node = cluster.node_of(1, &store.key_name(tenant, &spent));
+        let counted = count(&cluster, tenant_node, &store.key_name(tenant, &spent));
+        let tally = format!(
+            "{policy:?}, 10 stacks on a killed master and a spent tenant: {admitted} admitted, \
+             {refused} refused by Redis, {by_policy} refused by the policy, {failed} failed; \
+             Redis counts the tenant {counted}"
+        );
+        println!("{tally}");
+        assert_eq!((admitted, by_policy), (0, 0), "{tally}");
+        assert_eq!(counted, 5, "{policy:?}");
+
+        // A tenant with room: decided and charged where it lives (but under Closed, where
+        // the stack fails as a whole and nothing is charged).
+        let stack = [Check::new(&user, &roomy, 1), Check::new(other, &roomy, 1)];
+        let answer = resilient.check_all(&stack).await;
+        let other_node = cluster.node_of(1, &store.key_name(other, &roomy));
+        let counted = count(&cluster, other_node, &store.key_name(other, &roomy));
+        match policy {
+            FailurePolicy::Closed => {
+                assert!(matches!(answer, Err(StoreError::CircuitOpen)), "{answer:?}");
+                assert_eq!(counted, 0, "nothing charged");
+            }
+            _ => {
+                let d = answer.unwrap();
+                assert!(d.allowed() && d.is_failure_policy(), "{policy:?}: {d:?}");
+                assert_eq!(counted, 1, "{policy:?}: charged where it lives");
+            }
+        }
+    }
+}

@@ -21,11 +21,39 @@
 //! A store whose parts fail apart says which part decides each check
 //! ([`Store::partition`]: a Redis Cluster's master), and then each part has a breaker of its
 //! own: one master down opens the breaker of the keys it holds, and the other masters' keys
-//! are decided as usual. A call whose checks span several parts goes through only if every
-//! one of their breakers lets it; its success counts for each, and its failure for each part
-//! that has not answered another call since it was sent (so a stack across a healthy master
-//! and a hung one does not open the healthy one's breaker while that one answers its own
-//! keys). At most [`MAX_PARTITION_BREAKERS`] parts have their own at once; the rest share the
+//! are decided as usual. A call whose checks span several parts goes to the store whole when
+//! every one of their breakers lets it; its success counts for each, and its failure for
+//! each part that has not answered another call since it was sent (so a stack across a
+//! healthy master and a hung one does not open the healthy one's breaker while that one
+//! answers its own keys).
+//!
+//! # One part down
+//!
+//! When some of a call's parts have their breakers open and others not, one part down fails
+//! only its own checks: the checks of the parts that are up are still decided where they
+//! live, and charged there, and only those of the parts that are down take the failure
+//! policy. A stack stays all or nothing across a down part, in this sense: it is admitted
+//! only if the parts that are up admit it where they live *and* the failure policy admits
+//! the down parts' checks; and then it consumed where each part was decided. In detail:
+//!
+//! - [`FailurePolicy::Closed`]: the call fails with [`StoreError::CircuitOpen`], whole;
+//!   nothing is asked of the store and nothing is charged anywhere.
+//! - [`FailurePolicy::Open`]: the store decides the up parts' checks (its own all or nothing
+//!   across them); if it admits them, the down parts' checks are admitted by the policy,
+//!   consuming nothing (counted in [`ResilientStats::failed_open`]).
+//! - [`FailurePolicy::LocalFallback`]: the fallback decides the down parts' checks first: if
+//!   it refuses, so is the call, and the store is not asked. If it admits, the store decides
+//!   the others; if the store refuses, what the fallback took stays taken (an
+//!   over-rejection on this instance's fallback, never an over-admission).
+//!
+//! An admission decided in part by the policy is marked
+//! [`Decision::is_failure_policy`]; a refusal where a part lives is that part's own answer.
+//! If the store fails on the up parts too, their checks take the failure policy as well.
+//! Until a part's breaker opens (its first `failures` failures, and each probe while it is
+//! still down), a call that includes it fails as a whole, and the failure policy decides all
+//! of its checks: with the local fallback, a healthy part's check may then be admitted by
+//! the fallback beyond what its own part would admit, within the bound stated at
+//! [`FailurePolicy::LocalFallback`]. At most [`MAX_PARTITION_BREAKERS`] parts have their own at once; the rest share the
 //! store's. A part no call has gone to for a while (ten times `open_for`, at least a minute:
 //! a master replaced in a failover) loses its breaker, closed first so that its last state is
 //! not reported for ever; so does the store's own once parts have taken over.
@@ -351,8 +379,13 @@ impl<S: Store> ResilientStore<S> {
         // dropped unpolled or mid-flight) hands the probe to the next call instead of holding
         // the breaker half-open.
         let (permits, sent) = match shared.permits(checks) {
-            Some((permits, sent)) => (Some(permits), sent),
-            None => (None, 0),
+            Gated::All(permits, sent) => (Some(permits), sent),
+            Gated::Refused => (None, 0),
+            Gated::Split {
+                permits,
+                sent,
+                down,
+            } => return shared.split(checks, permits, sent, &down),
         };
         let owned: Vec<(String, Policy, u64)> = match shared.policy {
             FailurePolicy::LocalFallback => checks
@@ -432,6 +465,21 @@ impl<S: Store> ResilientStore<S> {
     }
 }
 
+/// Which gates let a call through (see [`Shared::permits`]).
+enum Gated {
+    /// All of them: the call goes as it is.
+    All(Permits, u64),
+    /// None: the failure policy answers the whole call.
+    Refused,
+    /// Some: the permits of those that do, when the call was sent, and the checks (by index)
+    /// whose gates refuse.
+    Split {
+        permits: Permits,
+        sent: u64,
+        down: SmallVec<[usize; 4]>,
+    },
+}
+
 impl<S> Shared<S> {
     /// Drops the gates of parts no call has gone to for `idle` (closing their breakers first,
     /// so that their last state is not reported for ever), and closes the store's own when
@@ -463,19 +511,26 @@ impl<S> Shared<S> {
 
 impl<S: Store> Shared<S> {
     /// The gates `checks` go through (the store's, or each part's) with their permits, and
-    /// when the call is sent (breaker clock, ns; 0 without parts), or `None` if one of them
-    /// refuses the call (then no probe is held).
-    fn permits(&self, checks: &[Check<'_>]) -> Option<(Permits, u64)> {
+    /// when the call is sent (breaker clock, ns; 0 without parts): all of them, none (every
+    /// gate refuses the call: no probe is held), or the checks of the gates that let it
+    /// through while the others refuse (see [`Shared::split`]).
+    fn permits(&self, checks: &[Check<'_>]) -> Gated {
         let mut parts: SmallVec<[u32; 4]> = SmallVec::new();
+        // Each check's part (none: it goes with the others).
+        let mut part_of: SmallVec<[Option<u32>; 4]> = SmallVec::new();
         for check in checks {
-            if let Some(part) = self.store.partition(check) {
+            let part = self.store.partition(check);
+            if let Some(part) = part {
                 if !parts.contains(&part) {
                     parts.push(part);
                 }
             }
+            part_of.push(part);
         }
         let mut permits = Permits::new();
         let mut sent = 0;
+        // Each part's gate, as an index into `permits`.
+        let mut gate_of: SmallVec<[(u32, usize); 4]> = SmallVec::new();
         if parts.is_empty() {
             if self.partitioned.load(Ordering::Relaxed) {
                 sent = self.breaker.now();
@@ -487,20 +542,194 @@ impl<S: Store> Shared<S> {
             for part in parts {
                 let gate = self.part(part, sent);
                 // Parts beyond the bound share the store's gate: one permit for it.
-                if !permits.iter().any(|(g, _, _)| Arc::ptr_eq(g, &gate)) {
-                    push_permit(&mut permits, &gate);
-                }
+                let at = match permits.iter().position(|(g, _, _)| Arc::ptr_eq(g, &gate)) {
+                    Some(at) => at,
+                    None => {
+                        push_permit(&mut permits, &gate);
+                        permits.len() - 1
+                    }
+                };
+                gate_of.push((part, at));
             }
         }
-        if permits
-            .iter()
-            .any(|(_, permit, _)| *permit == Permit::Refuse)
-        {
+        let refused = |(_, permit, _): &(Arc<Gate>, Permit, ProbeGuard<TokioClock>)| {
+            *permit == Permit::Refuse
+        };
+        if !permits.iter().any(refused) {
+            return Gated::All(permits, sent);
+        }
+        if permits.iter().all(refused) {
             // A probe this call will not make goes to the next call.
             release(&mut permits);
-            return None;
+            return Gated::Refused;
         }
-        Some((permits, sent))
+        // Some parts refuse, others let the call through: the checks of the refusing ones.
+        let down = part_of
+            .iter()
+            .enumerate()
+            .filter(|(_, part)| {
+                part.and_then(|p| gate_of.iter().find(|(q, _)| *q == p))
+                    .is_some_and(|(_, at)| refused(&permits[*at]))
+            })
+            .map(|(i, _)| i)
+            .collect();
+        permits.retain(|p| !refused(p));
+        Gated::Split {
+            permits,
+            sent,
+            down,
+        }
+    }
+
+    /// A call whose checks span parts of which some are down (their breakers refuse it) and
+    /// some are not: one part down fails only its own checks. The checks of the parts that
+    /// are up are decided where they live (and charged there); those of the parts that are
+    /// down take the failure policy; and the call stays all or nothing (see the module docs,
+    /// "One part down"):
+    ///
+    /// - `Closed`: the call fails with [`StoreError::CircuitOpen`], as a whole; nothing is
+    ///   asked of the store or charged anywhere.
+    /// - `Open`: the store decides the checks of the parts that are up; if it admits them,
+    ///   the others are admitted by the policy (and the decision is marked so).
+    /// - `LocalFallback`: the fallback decides the down parts' checks first; if it refuses,
+    ///   that is the answer and the store is not asked; if it admits, the store decides the
+    ///   others, and if the store refuses, what the fallback took stays taken (an
+    ///   over-rejection on this instance's fallback, never an over-admission).
+    ///
+    /// If the store fails on the parts that are up too, their checks take the failure
+    /// policy as well.
+    fn split(
+        self: &Arc<Self>,
+        checks: &[Check<'_>],
+        mut permits: Permits,
+        sent: u64,
+        down: &[usize],
+    ) -> ResilientFuture {
+        self.counters
+            .short_circuited
+            .fetch_add(1, Ordering::Relaxed);
+        self.telemetry.error(&StoreError::CircuitOpen);
+        let ready = |r: Result<Decision, StoreError>| ResilientFuture {
+            inner: Box::pin(std::future::ready(r)),
+        };
+        let up: SmallVec<[usize; 4]> = (0..checks.len()).filter(|i| !down.contains(i)).collect();
+        let owned = |of: &[usize]| -> Vec<(String, Policy, u64)> {
+            of.iter()
+                .map(|&i| {
+                    let c = &checks[i];
+                    (c.key().to_owned(), self.divided(c.policy()), c.cost())
+                })
+                .collect()
+        };
+        let lowest = |of: &[usize]| of.iter().map(|&i| checks[i].policy().limit()).min();
+        let costs: SmallVec<[u64; 4]> = checks.iter().map(Check::cost).collect();
+        // The down parts' answer, when it comes first (the fallback's).
+        let fallback = match self.policy {
+            FailurePolicy::Closed => {
+                release(&mut permits);
+                return ready(self.on_failure(StoreError::CircuitOpen, &[], None));
+            }
+            FailurePolicy::Open => None,
+            FailurePolicy::LocalFallback => {
+                let decided = self
+                    .on_failure(StoreError::CircuitOpen, &owned(down), None)
+                    .map(|d| renumber(d, down));
+                match decided {
+                    Ok(d) if d.allowed() => Some(d),
+                    refused => {
+                        release(&mut permits);
+                        return ready(refused);
+                    }
+                }
+            }
+        };
+        let healthy: SmallVec<[Check<'_>; 4]> = up.iter().map(|&i| checks[i]).collect();
+        let (owned_up, up_limit) = match self.policy {
+            FailurePolicy::LocalFallback => (owned(&up), None),
+            _ => (Vec::new(), lowest(&up)),
+        };
+        let down_limit = lowest(down).unwrap_or(0);
+        let first_down = down.first().copied().unwrap_or(0);
+        let call = self.store.check_all(&healthy);
+        let shared = Arc::clone(self);
+        ResilientFuture {
+            inner: Box::pin(async move {
+                let mut permits = permits;
+                let answer = tokio::time::timeout(shared.timeout, call).await;
+                let error = match answer {
+                    Ok(Ok(d)) => {
+                        if d.reached_backend() {
+                            shared.success(&permits);
+                        } else {
+                            release(&mut permits);
+                        }
+                        let d = renumber(d, &up);
+                        if !d.allowed() {
+                            // Refused where it lives: nothing consumed by the store. (The
+                            // fallback's part, if any, stays taken: an over-rejection.)
+                            return Ok(d);
+                        }
+                        let other = match fallback {
+                            Some(f) => f,
+                            None => {
+                                // Open: the down parts are admitted by the policy.
+                                shared.policy_admitted_open();
+                                Decision::admitted(down_limit, down_limit, Duration::ZERO)
+                                    .with_index(first_down)
+                            }
+                        };
+                        let cost = |d: &Decision| costs.get(d.index()).copied().unwrap_or(0);
+                        let tightest =
+                            crate::decision::tighter((d, cost(&d)), (other, cost(&other))).0;
+                        return Ok(tightest.by_failure_policy());
+                    }
+                    Ok(Err(
+                        e @ (StoreError::CostExceedsLimit { .. }
+                        | StoreError::KeyTooLong { .. }
+                        | StoreError::Unsupported { .. }),
+                    )) => {
+                        release(&mut permits);
+                        shared.telemetry.error(&e);
+                        return Err(e);
+                    }
+                    Ok(Err(e @ StoreError::Busy(_))) => {
+                        release(&mut permits);
+                        shared.telemetry.error(&e);
+                        e
+                    }
+                    Ok(Err(e)) => {
+                        shared.failure(&mut permits, sent, &e);
+                        e
+                    }
+                    Err(_) => {
+                        let e = StoreError::Timeout(shared.timeout);
+                        shared.failure(&mut permits, sent, &e);
+                        e
+                    }
+                };
+                // The parts that are up failed too: their checks take the policy as well.
+                let d = shared.on_failure(error, &owned_up, up_limit)?;
+                let d = renumber(d, &up);
+                match fallback {
+                    Some(f) if d.allowed() => {
+                        let cost = |d: &Decision| costs.get(d.index()).copied().unwrap_or(0);
+                        Ok(crate::decision::tighter((d, cost(&d)), (f, cost(&f)))
+                            .0
+                            .by_failure_policy())
+                    }
+                    _ => Ok(d),
+                }
+            }),
+        }
+    }
+
+    /// A request admitted in part by [`FailurePolicy::Open`].
+    fn policy_admitted_open(&self) {
+        if let Some(hook) = &self.hook {
+            hook(&StoreError::CircuitOpen);
+        }
+        self.telemetry.action.increment(1);
+        self.counters.failed_open.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The gate of part `part`, made on first use (the store's own while
@@ -676,6 +905,14 @@ fn push_permit(permits: &mut Permits, gate: &Arc<Gate>) {
 fn release(permits: &mut Permits) {
     for (_, _, guard) in permits {
         guard.release();
+    }
+}
+
+/// `d`, a decision on the checks `of` (by index) of a stack, numbered as in the whole stack.
+fn renumber(d: Decision, of: &[usize]) -> Decision {
+    match of.get(d.index()) {
+        Some(&i) => d.with_index(i),
+        None => d,
     }
 }
 
@@ -1215,6 +1452,152 @@ mod tests {
         assert_eq!(s.breaker_state(), BreakerStatus::Closed);
         let both = [Check::new("a:1", &p, 1), Check::new("b:1", &p, 1)];
         assert!(s.check_all(&both).await.unwrap().allowed());
+    }
+
+    /// A store of two parts over one in-process store: keys `a:*` are part 1, which hangs
+    /// while `down` is set; every other key is part 2, which the in-process store decides
+    /// (and charges).
+    #[derive(Clone, Default)]
+    struct Halves {
+        memory: MemoryStore,
+        down: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    impl Store for Halves {
+        type Future = Pin<Box<dyn Future<Output = Result<Decision, StoreError>> + Send>>;
+
+        fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
+            let touches_a = checks.iter().any(|c| self.partition(c) == Some(1));
+            if touches_a && self.down.load(Ordering::SeqCst) {
+                return Box::pin(std::future::pending());
+            }
+            Box::pin(std::future::ready(self.memory.check_all_now(checks)))
+        }
+
+        fn partition(&self, check: &Check<'_>) -> Option<u32> {
+            Some(if check.key().starts_with("a:") { 1 } else { 2 })
+        }
+    }
+
+    /// A stack across a healthy part and one whose breaker is open: the healthy part's check
+    /// is decided (and charged) where it lives, only the down part's takes the failure
+    /// policy, and the stack stays all or nothing. Under every policy, a tenant limit of 5 on
+    /// the healthy part, spent before the other part went down, admits nothing more. (The
+    /// whole stack used to go to the failure policy: the fallback admitted 5 more, failing
+    /// open 10 of 10.)
+    #[tokio::test(start_paused = true)]
+    async fn a_stack_across_a_down_part_is_decided_where_its_parts_live() {
+        for policy in [
+            FailurePolicy::LocalFallback,
+            FailurePolicy::Open,
+            FailurePolicy::Closed,
+        ] {
+            let halves = Halves::default();
+            let s = ResilientStore::builder(halves.clone())
+                .timeout(Duration::from_millis(100))
+                .breaker(2, Duration::from_secs(60))
+                .failure_policy(policy)
+                .build();
+            let tenant = Policy::fixed_window(5, Duration::from_secs(3600)).unwrap();
+            let user = Policy::fixed_window(100, Duration::from_secs(3600)).unwrap();
+            for _ in 0..5 {
+                assert!(s.check("b:tenant", &tenant, 1).await.unwrap().allowed());
+            }
+            halves.down.store(true, Ordering::SeqCst);
+            for _ in 0..2 {
+                assert!(
+                    s.check("a:user", &user, 1).await.is_err() || policy != FailurePolicy::Closed
+                );
+            }
+            assert!(
+                s.breaker_states().contains(&(Some(1), BreakerStatus::Open)),
+                "{policy:?}"
+            );
+            let stack = [
+                Check::new("a:user", &user, 1),
+                Check::new("b:tenant", &tenant, 1),
+            ];
+            let mut admitted = 0;
+            for _ in 0..10 {
+                match s.check_all(&stack).await {
+                    Ok(d) if d.allowed() => admitted += 1,
+                    Ok(d) => {
+                        assert_eq!(d.index(), 1, "{policy:?}: the tenant's limit refused");
+                        assert!(d.reached_backend(), "{policy:?}: refused where it lives");
+                    }
+                    Err(e) => {
+                        assert_eq!(policy, FailurePolicy::Closed, "{e:?}");
+                        assert!(matches!(e, StoreError::CircuitOpen));
+                    }
+                }
+            }
+            assert_eq!(admitted, 0, "{policy:?}: the spent tenant admitted more");
+
+            // A tenant with room: admitted where it lives, and charged there; the down part
+            // by the policy (a refusal under Closed, charging nothing).
+            let roomy = Policy::fixed_window(5, Duration::from_secs(60)).unwrap();
+            let stack = [
+                Check::new("a:user", &user, 1),
+                Check::new("b:other", &roomy, 1),
+            ];
+            let d = s.check_all(&stack).await;
+            let left = halves
+                .memory
+                .check_now("b:other", &roomy, 0)
+                .unwrap()
+                .remaining();
+            match policy {
+                FailurePolicy::Closed => {
+                    assert!(matches!(d, Err(StoreError::CircuitOpen)));
+                    assert_eq!(left, 5, "nothing charged");
+                }
+                _ => {
+                    let d = d.unwrap();
+                    assert!(d.allowed() && d.is_failure_policy(), "{policy:?}: {d:?}");
+                    assert_eq!(left, 4, "{policy:?}: charged where it lives");
+                }
+            }
+            // The healthy part's breaker stays closed throughout.
+            assert!(
+                s.breaker_states()
+                    .contains(&(Some(2), BreakerStatus::Closed)),
+                "{policy:?}"
+            );
+        }
+    }
+
+    /// Under the local fallback, a down part's check that the fallback refuses refuses the
+    /// stack without asking the store (nothing charged where the other parts live); and
+    /// when the healthy part fails too, its checks go to the fallback as well.
+    #[tokio::test(start_paused = true)]
+    async fn a_split_stack_under_the_fallback_stays_all_or_nothing() {
+        let halves = Halves::default();
+        let s = ResilientStore::builder(halves.clone())
+            .timeout(Duration::from_millis(100))
+            .breaker(1, Duration::from_secs(60))
+            .failure_policy(FailurePolicy::LocalFallback)
+            .build();
+        let one = Policy::fixed_window(1, Duration::from_secs(3600)).unwrap();
+        let roomy = Policy::fixed_window(100, Duration::from_secs(3600)).unwrap();
+        halves.down.store(true, Ordering::SeqCst);
+        // The failure opens part 1's breaker; the fallback decided it (and took its unit).
+        assert!(s.check("a:user", &one, 1).await.unwrap().allowed());
+        let stack = [
+            Check::new("a:user", &one, 1),
+            Check::new("b:tenant", &roomy, 1),
+        ];
+        let d = s.check_all(&stack).await.unwrap();
+        assert!(
+            !d.allowed() && d.index() == 0 && d.is_failure_policy(),
+            "{d:?}"
+        );
+        let left = halves
+            .memory
+            .check_now("b:tenant", &roomy, 0)
+            .unwrap()
+            .remaining();
+        assert_eq!(left, 100, "the store was not asked");
+        assert_eq!(s.stats().fallback_decisions, 2);
     }
 
     fn store(fake: &Fake, policy: FailurePolicy) -> ResilientStore<Fake> {
