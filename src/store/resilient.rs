@@ -136,6 +136,18 @@ pub enum FailurePolicy {
     Closed,
     /// Decide with an in-process store and the same policies (limits divided by
     /// [`ResilientStoreBuilder::fallback_instances`]).
+    ///
+    /// **The bound.** The fallback does not know what the store admitted before it took
+    /// over, and the store does not learn what the fallback admitted: nothing is carried
+    /// across. So in a window that spans a switch to the fallback and back (for a bucket, in
+    /// any span `T`), the fleet admits up to the policy's bound twice: once counted by the
+    /// store, and once by the fallbacks together (each instance's at most the divided limit,
+    /// so with `fallback_instances` equal to the number of instances, the limit in all). A
+    /// limit of 5 on one instance admits 10 around such a switch; never more. With fewer
+    /// instances configured than run, each runs its own share: up to `instances /
+    /// fallback_instances` limits from the fallbacks. A store that forgets its state while
+    /// down (a Redis restarted without persistence) can admit its limit once more in that
+    /// window, after it is back.
     LocalFallback,
 }
 
@@ -1598,6 +1610,47 @@ mod tests {
             .remaining();
         assert_eq!(left, 100, "the store was not asked");
         assert_eq!(s.stats().fallback_decisions, 2);
+    }
+
+    /// The bound stated at [`FailurePolicy::LocalFallback`]: a switch to the fallback and
+    /// back within one window admits the limit twice (once counted by the store, once by
+    /// the fallback), never more; with two instances each falling back to half the limit,
+    /// at most twice the limit in all.
+    #[tokio::test(start_paused = true)]
+    async fn the_fallback_and_the_store_admit_at_most_twice_the_limit_in_a_window() {
+        for instances in [1, 2] {
+            let halves = Halves::default();
+            let fleet: Vec<ResilientStore<Halves>> = (0..instances)
+                .map(|_| {
+                    ResilientStore::builder(halves.clone())
+                        .timeout(Duration::from_millis(100))
+                        .breaker(1, Duration::from_secs(1))
+                        .failure_policy(FailurePolicy::LocalFallback)
+                        .fallback_instances(instances)
+                        .build()
+                })
+                .collect();
+            let p = Policy::fixed_window(6, Duration::from_secs(3600)).unwrap();
+            let mut admitted = 0;
+            let round = async |admitted: &mut u64| {
+                for s in &fleet {
+                    for _ in 0..20 {
+                        if s.check("a:k", &p, 1).await.unwrap().allowed() {
+                            *admitted += 1;
+                        }
+                    }
+                }
+            };
+            // Up, down (the fallback decides), up again (the probe, then the store).
+            round(&mut admitted).await;
+            halves.down.store(true, Ordering::SeqCst);
+            round(&mut admitted).await;
+            tokio::time::advance(Duration::from_secs(1)).await;
+            halves.down.store(false, Ordering::SeqCst);
+            round(&mut admitted).await;
+            assert!(fleet.iter().all(|s| s.stats().fallback_decisions > 0));
+            assert_eq!(admitted, 12, "{instances} instances: the limit of 6 twice");
+        }
     }
 
     fn store(fake: &Fake, policy: FailurePolicy) -> ResilientStore<Fake> {
