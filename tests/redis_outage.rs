@@ -288,3 +288,72 @@ async fn a_stack_across_a_killed_master_is_decided_where_its_parts_live() {
         }
     }
 }
+
+/// Clients connected to `node`, but for the `redis-cli` that asks.
+fn clients(cluster: &RedisCluster, node: usize) -> u64 {
+    cluster.nodes[node]
+        .cli(&["INFO", "clients"])
+        .lines()
+        .find_map(|l| l.strip_prefix("connected_clients:"))
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .expect("connected_clients")
+        .saturating_sub(1)
+}
+
+/// A master that leaves the Cluster's map (its slots moved to the others) loses its pool: its
+/// connections close, instead of reconnecting for the life of the process and being asked at
+/// every read of the map. Every key is still decided, where its slot went.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pool_of_a_master_that_left_the_map_is_dropped() {
+    let _serial = SERIAL.lock().await;
+    let Some(cluster) = cluster() else {
+        return;
+    };
+    let store = connect(&cluster).await.expect("connect");
+    let policy = roomy();
+    let (keys, nodes) = layout(&cluster, &store, &policy, 30, 0);
+    let tally = round(&store, &keys, &nodes, &policy).await;
+    assert!(tally.iter().all(|(_, failed)| *failed == 0), "{tally:?}");
+    let leaving = 2;
+    assert!(
+        clients(&cluster, leaving) >= 1,
+        "the store is connected to the master that will leave"
+    );
+    // Every slot of the leaving master goes to the others.
+    let id = cluster.nodes[leaving].cli(&["CLUSTER", "MYID"]);
+    let out = std::process::Command::new("redis-cli")
+        .args(["--cluster", "rebalance"])
+        .arg(format!("127.0.0.1:{}", cluster.nodes[0].port))
+        .args(["--cluster-weight", &format!("{}=0", id.trim())])
+        .output()
+        .expect("redis-cli --cluster rebalance");
+    assert!(
+        out.status.success(),
+        "rebalance: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let nodes: Vec<usize> = keys
+        .iter()
+        .map(|k| cluster.node_of(0, &store.key_name(k, &policy)))
+        .collect();
+    assert!(!nodes.contains(&leaving), "{nodes:?}");
+    // Calls follow the MOVED answers, and the store reads the map again.
+    let started = Instant::now();
+    loop {
+        let tally = round(&store, &keys, &nodes, &policy).await;
+        assert!(tally.iter().all(|(_, failed)| *failed == 0), "{tally:?}");
+        if clients(&cluster, leaving) == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "{} connections still open to a master that left the map",
+            clients(&cluster, leaving)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "a master that left the map: its pool closed {:?} after the move",
+        started.elapsed()
+    );
+}

@@ -10,6 +10,10 @@
 //! is safe). An `ASK` (a slot half-way through a migration) is an error for that call.
 //! Masters are named by a hash of their address, so each keeps its circuit breaker
 //! ([`Store::partition`](crate::Store::partition)) across re-reads of the map.
+//!
+//! A master's pool reconnects by itself whatever happened at its first contact (down at
+//! start, or where a `MOVED` pointed to a node not up yet), and is dropped when its address
+//! leaves the map; a read of the map asks the masters connected now first.
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -293,6 +297,8 @@ impl Masters {
             .iter()
             .map(|((host, port), m)| (Address::new(host.as_str(), *port), Some(m.pool.clone())))
             .collect();
+        // The masters connected now first: one that is down would cost a timeout.
+        asked.sort_by_key(|(_, pool)| !pool.as_ref().is_some_and(|p| p.is_connected()));
         asked.extend(self.seeds.iter().cloned().map(|s| (s, None)));
         let mut last = FredError::new(ErrorKind::Cluster, "no node of the Cluster answered");
         for (address, pool) in asked {
@@ -320,9 +326,12 @@ impl Masters {
                 continue;
             }
             let mut map = SlotMap::default();
+            let mut kept: Vec<(String, u16)> = Vec::new();
             for (start, end, host, port) in ranges {
                 map.ranges.push((start, end, self.master(&host, port)?));
+                kept.push((host, port));
             }
+            self.prune(&kept);
             if self.wait {
                 // The new masters' first calls should not pay for their connection; all at
                 // once, so that a master down costs one connect timeout, not one each.
@@ -335,6 +344,34 @@ impl Masters {
             return Ok(());
         }
         Err(last)
+    }
+
+    /// Drops the pools of the addresses that are not `kept` (they left the map: a master
+    /// replaced in a failover, a node whose slots moved away), so that they do not reconnect
+    /// for the life of the process nor get asked at every read of the map. Their
+    /// connections close after a connect timeout, so that the calls still on them end first.
+    fn prune(&self, kept: &[(String, u16)]) {
+        let mut gone: Vec<Pool> = Vec::new();
+        self.pools.lock().retain(|address, m| {
+            let keep = kept.contains(address);
+            if !keep {
+                gone.push(m.pool.clone());
+            }
+            keep
+        });
+        if gone.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let grace = self.connect_timeout;
+        runtime.spawn(async move {
+            tokio::time::sleep(grace).await;
+            for pool in gone {
+                let _ = pool.quit().await;
+            }
+        });
     }
 
     /// `CLUSTER SLOTS` from a seed, on a client of its own made for the question.
