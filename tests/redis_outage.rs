@@ -357,3 +357,196 @@ async fn the_pool_of_a_master_that_left_the_map_is_dropped() {
         started.elapsed()
     );
 }
+
+/// How a check or a stack was answered.
+#[derive(Debug, Default, Clone, Copy)]
+struct Outcomes {
+    /// Decided by Redis alone.
+    redis: u32,
+    /// Admitted or refused in part or in whole by the failure policy (the local fallback).
+    policy: u32,
+    /// Failed (none expected under the fallback).
+    errors: u32,
+}
+
+impl Outcomes {
+    fn add(&mut self, answer: &Result<tollgate::Decision, tollgate::StoreError>) {
+        match answer {
+            Ok(d) if d.is_failure_policy() => self.policy += 1,
+            Ok(_) => self.redis += 1,
+            Err(_) => self.errors += 1,
+        }
+    }
+
+    fn sum(&mut self, other: Outcomes) {
+        self.redis += other.redis;
+        self.policy += other.policy;
+        self.errors += other.errors;
+    }
+
+    fn all(&self) -> u32 {
+        self.redis + self.policy + self.errors
+    }
+}
+
+/// One master killed under load and restarted, through `ResilientStore` with the local
+/// fallback: single keys, and stacks of a user's key with a tenant's on a live master. While
+/// it is down, the live masters' keys are decided by Redis throughout, and so are the live
+/// parts of stacks that touch it (each tenant is charged in Redis for every stack it
+/// admitted, but the stacks that were probes of the down master: those fail whole); only
+/// the down master's own keys take the fallback. Once it is back, every key and every stack
+/// is decided by Redis again, by itself. Counted, not timed: the times printed are for
+/// RELIABILITY.md.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_master_killed_mid_run_fails_only_its_keys_and_comes_back() {
+    use tollgate::Check;
+    use tollgate::store::resilient::BreakerStatus;
+    use tollgate::store::{FailurePolicy, ResilientStore};
+
+    let _serial = SERIAL.lock().await;
+    let Some(mut cluster) = cluster() else {
+        return;
+    };
+    let store = connect(&cluster).await.expect("connect");
+    let policy = Policy::fixed_window(1_000_000, Duration::from_secs(3600)).unwrap();
+    let (users, nodes) = layout(&cluster, &store, &policy, 30, 1);
+    let down = 0;
+    let tenants = [1, 2].map(|n| key_on(&cluster, &store, &policy, "tenant:", 1, |m| m == n));
+    let resilient = ResilientStore::builder(store.clone())
+        .timeout(TIMEOUT * 2)
+        .breaker(3, Duration::from_millis(500))
+        .failure_policy(FailurePolicy::LocalFallback)
+        .build();
+    // One round: every user's key alone, and every user in a stack with a tenant, all at
+    // once. Per master (of the user's key): the single checks' and the stacks' outcomes; and
+    // the stacks each tenant admitted.
+    let round = || async {
+        let singles =
+            futures_util::future::join_all(users.iter().map(|u| resilient.check(u, &policy, 1)));
+        let stacks = futures_util::future::join_all(users.iter().enumerate().map(|(i, u)| {
+            let stack = [
+                Check::new(u, &policy, 1),
+                Check::new(&tenants[i % 2], &policy, 1),
+            ];
+            resilient.check_all(&stack)
+        }));
+        let (singles, stacks) = tokio::join!(singles, stacks);
+        let mut per_node = [(Outcomes::default(), Outcomes::default()); 3];
+        let mut per_tenant = [0u64; 2];
+        for (i, (single, stack)) in singles.iter().zip(&stacks).enumerate() {
+            per_node[nodes[i]].0.add(single);
+            per_node[nodes[i]].1.add(stack);
+            if stack.as_ref().is_ok_and(|d| d.allowed()) {
+                per_tenant[i % 2] += 1;
+            }
+        }
+        (per_node, per_tenant)
+    };
+    let charged = |cluster: &RedisCluster| {
+        [0, 1].map(|t| count(cluster, t + 1, &store.key_name(&tenants[t], &policy)))
+    };
+    let (before, _) = round().await;
+    for (node, (single, stack)) in before.iter().enumerate() {
+        assert_eq!(
+            (single.redis, stack.redis),
+            (single.all(), stack.all()),
+            "master {node}, before"
+        );
+    }
+
+    cluster.nodes[down].kill();
+    let killed = Instant::now();
+    // Until the down master's breaker has opened (its keys' calls time out meanwhile).
+    loop {
+        let (tally, _) = round().await;
+        if tally[down].0.policy == tally[down].0.all()
+            && resilient.breaker_state() != BreakerStatus::Closed
+        {
+            break;
+        }
+        assert!(
+            killed.elapsed() < DEADLINE,
+            "the breaker never opened: {tally:?}"
+        );
+    }
+    let detected = killed.elapsed();
+    // The stacks that failed whole meanwhile have given back what their tenants took: the
+    // calls across slots have ended.
+    let settled = || async {
+        let since = Instant::now();
+        while store.cross_slot_calls() > 0 {
+            assert!(since.elapsed() < DEADLINE, "calls across slots never ended");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    settled().await;
+    // Down: twenty rounds.
+    let charged_before = charged(&cluster);
+    let opened_before = resilient.stats().breaker_opened;
+    let mut during = [(Outcomes::default(), Outcomes::default()); 3];
+    let mut admitted = [0u64; 2];
+    for _ in 0..20 {
+        let (tally, per_tenant) = round().await;
+        for node in 0..3 {
+            during[node].0.sum(tally[node].0);
+            during[node].1.sum(tally[node].1);
+        }
+        for t in 0..2 {
+            admitted[t] += per_tenant[t];
+        }
+    }
+    settled().await;
+    let after = charged(&cluster);
+    let charged = [0, 1].map(|t| after[t] - charged_before[t]);
+    // Each probe of the down master that failed opened its breaker again; a probe that was a
+    // stack failed whole, and the fallback decided its tenant too.
+    let probes = resilient.stats().breaker_opened - opened_before;
+    println!("killed: the breaker opened {detected:?} after the kill; then 20 rounds:");
+    for (node, (single, stack)) in during.iter().enumerate() {
+        println!("  master {node}: single keys {single:?}; stacks with a live tenant {stack:?}");
+    }
+    println!(
+        "  tenants: stacks admitted {admitted:?}, charged in Redis {charged:?}; failed probes {probes}"
+    );
+    for node in (0..3).filter(|&n| n != down) {
+        let (single, stack) = during[node];
+        assert_eq!(single.redis, single.all(), "master {node}: {single:?}");
+        assert_eq!(stack.redis, stack.all(), "master {node}: {stack:?}");
+    }
+    let (single, stack) = during[down];
+    assert_eq!(single.policy, single.all(), "{single:?}");
+    assert_eq!(stack.policy, stack.all(), "{stack:?}");
+    // Every stack a tenant admitted was charged where it lives, but the probes that were
+    // stacks (they failed whole, and the fallback decided them whole).
+    for t in 0..2 {
+        assert!(
+            charged[t] <= admitted[t],
+            "{admitted:?} admitted, {charged:?} charged"
+        );
+    }
+    let whole = admitted.iter().sum::<u64>() - charged.iter().sum::<u64>();
+    assert!(
+        whole <= probes,
+        "{admitted:?} admitted, {charged:?} charged, {probes} failed probes"
+    );
+
+    cluster.nodes[down].restart();
+    let back = Instant::now();
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        let (tally, _) = round().await;
+        if tally
+            .iter()
+            .all(|(s, k)| s.redis == s.all() && k.redis == k.all())
+        {
+            break;
+        }
+        assert!(back.elapsed() < DEADLINE, "not back by itself: {tally:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!(
+        "  back: every key and stack decided by Redis {:?} after the restart ({rounds} rounds)",
+        back.elapsed()
+    );
+}

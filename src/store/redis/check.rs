@@ -264,11 +264,12 @@ impl Inner {
 
     /// After a call on `group` that may have run without its answer coming back: takes back
     /// by token whatever it consumed, on the connection it went to (so that the refund runs
-    /// after the call if the call ran at all, and finds nothing to take if it did not). Only
-    /// items with a refund token can be taken back (across slots, or leasing; a sliding
-    /// log's never leases). If the refund fails too, a lease-taking call counts what its
-    /// leases asked for as in doubt.
-    async fn refund_in_doubt(&self, call: &Call, group: &Group<'_>, client: &Client) {
+    /// after the call if the call ran at all, and finds nothing to take if it did not), in
+    /// the background: the refunds of the call's other slots do not wait for it. Only items
+    /// with a refund token can be taken back (across slots, or leasing; a sliding log's never
+    /// leases). If the refund fails too, a lease-taking call counts what its leases asked for
+    /// as in doubt.
+    fn refund_in_doubt(&self, call: &Call, group: &Group<'_>, client: Client) {
         let tokened = || {
             group
                 .items
@@ -279,23 +280,34 @@ impl Inner {
         if tokened().next().is_none() {
             return;
         }
-        let build = || {
-            self.refund_args(
-                self.now_args(),
-                tokened().map(|(it, token)| (blind_refund_of(it, token), it.want)),
-                "refund",
-            )
+        let (keys, args) = self.refund_args(
+            self.now_args(),
+            tokened().map(|(it, token)| (blind_refund_of(it, token), it.want)),
+            "refund",
+        );
+        let leased: u64 = tokened()
+            .filter(|(it, _)| it.leasing())
+            .map(|(it, _)| it.want)
+            .sum();
+        let in_doubt = call.in_doubt.clone();
+        let lua = self.scripts.refund.clone();
+        let refund = async move {
+            let build = || (keys.clone(), args.clone());
+            if eval_on::<Value, _>(&client, &lua, build).await.is_err() {
+                if let Some(in_doubt) = in_doubt {
+                    in_doubt.fetch_add(leased, Ordering::Relaxed);
+                }
+            }
         };
-        if eval_on::<Value, _>(client, &self.scripts.refund, build)
-            .await
-            .is_err()
-        {
-            if let Some(in_doubt) = &call.in_doubt {
-                let leased: u64 = tokened()
-                    .filter(|(it, _)| it.leasing())
-                    .map(|(it, _)| it.want)
-                    .sum();
-                in_doubt.fetch_add(leased, Ordering::Relaxed);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(refund);
+            }
+            Err(_) => {
+                // Nowhere to send it: counted.
+                if let Some(in_doubt) = &call.in_doubt {
+                    in_doubt.fetch_add(leased, Ordering::Relaxed);
+                }
             }
         }
     }
@@ -354,7 +366,7 @@ impl Inner {
             (Ok(out), _) => out,
             (Err(e), client) => {
                 if let (true, Some(client)) = (may_have_run(&e), client) {
-                    self.refund_in_doubt(call, group, &client).await;
+                    self.refund_in_doubt(call, group, client);
                 }
                 return Err(backend_error(&e, self.timeout));
             }
