@@ -662,12 +662,17 @@ impl<S: Store> Shared<S> {
         };
         let down_limit = lowest(down).unwrap_or(0);
         let first_down = down.first().copied().unwrap_or(0);
+        let started = if METRICS { self.breaker.now() } else { 0 };
         let call = self.store.check_all(&healthy);
         let shared = Arc::clone(self);
         ResilientFuture {
             inner: Box::pin(async move {
                 let mut permits = permits;
                 let answer = tokio::time::timeout(shared.timeout, call).await;
+                if METRICS {
+                    let took = shared.breaker.now().saturating_sub(started);
+                    shared.telemetry.duration.record_nanos(took);
+                }
                 let error = match answer {
                     Ok(Ok(d)) => {
                         if d.reached_backend() {

@@ -143,7 +143,10 @@
 //! Every call has a timeout (default 250 ms): an unreachable Redis gives
 //! [`StoreError::Timeout`] or [`StoreError::Backend`] promptly, never a rejection. The
 //! connections reconnect by themselves (backoff from 50 ms to 1 s), so the store recovers
-//! within a second or two of Redis coming back, without being rebuilt. What to do meanwhile
+//! within a second or two of Redis coming back, without being rebuilt. On a Cluster each
+//! master's pool does, whatever its first contact (a master down when the store connects, or
+//! where a `MOVED` points, is reached once it is up); `connect` needs only the masters that
+//! answer ([`RedisStoreBuilder::wait_for_redis`]), and a master down fails only its own keys. What to do meanwhile
 //! (fail open, closed or to a local store) and the circuit breaker are the business of
 //! [`ResilientStore`](crate::store::ResilientStore), which wraps any store.
 //!
