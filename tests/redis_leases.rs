@@ -791,8 +791,8 @@ async fn a_lease_call_dropped_unfinished_leaves_no_one_waiting() {
 
 /// Checks that wait for a key's lease call share its fate: when it times out they fail too,
 /// at once, instead of each sending a call of its own that could wait for another timeout.
-/// Redis is paused (CLIENT PAUSE) for longer than the timeout; once it resumes, it runs the
-/// lease call and the refund that followed it, and nothing else.
+/// Redis is stopped (SIGSTOP) until they have failed; once it resumes, it runs the lease call
+/// and the refund that followed it, and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiters_fail_with_the_lease_call_they_waited_for() {
     let server = redis_or_skip!();
@@ -812,7 +812,7 @@ async fn waiters_fail_with_the_lease_call_they_waited_for() {
         assert!(one(&a, "k", &policy).await.allowed());
     }
     let before = script_calls(&server);
-    server.cli(&["CLIENT", "PAUSE", "3000", "ALL"]);
+    server.signal("STOP");
     let fetch = a.check("k", &policy, 1);
     assert_eq!(a.stats().fetching, 1);
     let waiter = a.check("k", &policy, 1);
@@ -825,8 +825,9 @@ async fn waiters_fail_with_the_lease_call_they_waited_for() {
         matches!(waiter, Err(tollgate::StoreError::Timeout(_))),
         "{waiter:?}"
     );
-    // Once the pause ends: the lease call runs, and after it the refund of its token (it got
-    // no answer); no waiter sent a call of its own.
+    server.signal("CONT");
+    // Once the server runs again: the lease call runs, and after it the refund of its token
+    // (it got no answer); no waiter sent a call of its own.
     let name = a.redis().key_name("k", &policy);
     assert!(
         eventually(|| script_calls(&server) == before + 2).await,
@@ -1219,13 +1220,14 @@ async fn a_stack_timed_out_across_slots_takes_back_what_it_consumed() {
             assert!(one(&a, "global", &policy).await.allowed());
             admitted += 1;
         }
-        cluster.nodes[u].cli(&["CLIENT", "PAUSE", "800", "ALL"]);
+        cluster.nodes[u].signal("STOP");
         let stack = [
             Check::new("global", &policy, 1),
             Check::new(&user, &policy, 1),
         ];
         let r = a.check_all(&stack).await;
-        // Blocks until the pause ends.
+        cluster.nodes[u].signal("CONT");
+        // Answers once it has run what was sent to it meanwhile.
         cluster.nodes[u].cli(&["PING"]);
         match r {
             Err(tollgate::StoreError::Timeout(_)) => {}
