@@ -28,6 +28,8 @@ pub(super) struct Shard {
     /// How many pairs the tables hold.
     pub(super) len: usize,
     pub(super) order: Soonest,
+    /// The latest time a decision in this shard was taken at ([`Shard::decide_at`]).
+    pub(super) now: u64,
 }
 
 /// Up to how many policies a shard finds a policy's table by comparing ids in turn.
@@ -90,6 +92,22 @@ impl<S: Kept> Slot<S> {
 impl Shard {
     pub(super) fn len(&self) -> usize {
         self.len
+    }
+
+    /// The time to decide at, for a check that read `read` from the clock before it took this
+    /// shard's lock: the later of that and the time of the shard's latest decision, which it
+    /// becomes. A thread held up between its reading and the lock (preempted, or waiting for
+    /// the lock) then decides after every decision it finds committed, never in their past
+    /// (where GCRA, the fixed window and the sliding window counter, whose states do not keep
+    /// the time they last moved to, would see those decisions as its future: a GCRA far below
+    /// its limit refused). The time is still one the clock has read, and no later than the
+    /// clock when the lock was taken: the lock is taken after the reading that set the mark.
+    /// One reading per check, none under the lock.
+    #[inline]
+    pub(super) fn decide_at(&mut self, read: u64) -> u64 {
+        let now = read.max(self.now);
+        self.now = now;
+        now
     }
 
     /// Where policy `id` is in `policies`, if it has pairs in the shard.
