@@ -103,11 +103,23 @@ impl Shard {
     /// its limit refused). The time is still one the clock has read, and no later than the
     /// clock when the lock was taken: the lock is taken after the reading that set the mark.
     /// One reading per check, none under the lock.
+    ///
+    /// A branch, not a `max`: the reading is nearly always the later, and the decision's
+    /// arithmetic can then start from it before the mark is loaded (behind the lock).
     #[inline]
     pub(super) fn decide_at(&mut self, read: u64) -> u64 {
-        let now = read.max(self.now);
-        self.now = now;
-        now
+        if read < self.now {
+            return self.held_up();
+        }
+        self.now = read;
+        read
+    }
+
+    /// [`Shard::decide_at`] for a reading earlier than the shard's latest decision.
+    #[cold]
+    #[inline(never)]
+    fn held_up(&self) -> u64 {
+        self.now
     }
 
     /// Where policy `id` is in `policies`, if it has pairs in the shard.
