@@ -39,9 +39,10 @@ pub const DEFAULT_MEMORY_STORE_NAME: &str = "memory";
 /// - **Exact and atomic.** A check runs under one shard's lock; a stacked check
 ///   ([`MemoryStore::check_all`]) locks the shards it needs in a fixed order, decides every
 ///   check, and commits only if all admit. There is no global lock: keys are spread over
-///   shards (64 by default) by a keyed hash. A check reads the clock once, before it takes
-///   the lock, and decides at the later of that reading and the time of its shard's latest
-///   decision: never in the past of a decision it finds committed, however long it waited.
+///   shards (64 by default) by a keyed hash. A check reads the clock before it takes the
+///   lock, and again under it only if its shard has decided later than that reading (it was
+///   held up on the way): never in the past of a decision it finds committed, however long it
+///   waited.
 /// - **Cheap.** A check on a key already tracked allocates nothing; the future it returns is
 ///   ready at once, so nothing is boxed. Time comes from a monotonic [`Clock`].
 /// - **Bounded.** At most about `max_keys` (key, policy) pairs are tracked (by default
@@ -251,16 +252,21 @@ impl<C: Clock> MemoryStore<C> {
             items.iter().map(|it| inner.shard_index(it.hash)).collect();
         order.sort_unstable();
         order.dedup();
-        // The time is read before the locks and decided at no earlier than the latest decision
-        // of any shard locked (`Shard::decide_at`), which all of them then keep.
+        // The time is read before the locks, and again under them only if a shard locked has
+        // a later decision (`Shard::decide_at`); every shard locked keeps it as its latest.
         let read = inner.clock.now();
         let mut guards: SmallVec<[(usize, MutexGuard<'_, Shard>); 8]> = order
             .iter()
             .map(|&i| (i, inner.shards[i].0.lock()))
             .collect();
-        let now = guards.iter().fold(read, |t, (_, g)| t.max(g.now));
+        let latest = guards.iter().fold(0, |t, (_, g)| t.max(g.now));
+        let now = if read < latest {
+            shard::reread(&inner.clock)
+        } else {
+            read
+        };
         for (_, guard) in &mut guards {
-            guard.decide_at(now);
+            guard.now = now;
         }
 
         let mut verdict: Option<(Decision, u64)> = None;
@@ -383,13 +389,13 @@ impl<C: Clock> Inner<C> {
     #[inline]
     fn check_one<K: Kept>(&self, key: &str, policy: &Policy, cost: u64) -> Decision {
         // Read before the lock (a reading under it made every check's critical section
-        // longer), and decided at no earlier than the shard's latest decision: see
+        // longer), and again under it only if the shard has a later decision: see
         // `Shard::decide_at`.
         let read = self.clock.now();
         let id = policy.id();
         let hash = self.hash(id, key.as_bytes());
         let mut shard = self.shard(hash);
-        let now = shard.decide_at(read);
+        let now = shard.decide_at(read, &self.clock);
         let table = shard.table_mut::<K>(id);
         if let Some(slot) = table.and_then(|t| t.find_mut(hash, |s| s.is(key))) {
             let (decision, update) = slot.state.decide(policy, now, cost);
@@ -714,6 +720,34 @@ mod tests {
             wrong.len(),
             wrong.join("\n")
         );
+    }
+
+    /// A clock that goes back (a manual one set back, as the differential test with Redis does
+    /// to mirror a stepped wall clock) is taken by each state as it takes any earlier time, as
+    /// Redis's scripts take it: the decision is the algorithm's at the time read, not at the
+    /// time of a later decision of its shard (another key's, or its own refused). Only a
+    /// reading earlier than its shard's latest decision is read again, under the lock: a
+    /// thread held up then gets the clock's time, a clock gone back its own.
+    #[test]
+    fn a_clock_gone_back_is_taken_as_each_state_takes_it() {
+        let ms = |n| Duration::from_millis(n).as_nanos() as u64;
+        let policy = Policy::gcra(Rate::per_second(1), 1).unwrap();
+        let store = one_shard(16);
+        let mut state = crate::algorithm::Gcra::default();
+        let times = [
+            10_000, 10_900, 10_500, 10_700, 10_200, 11_000, 10_950, 12_000,
+        ];
+        for t in times.map(ms) {
+            store.clock().set(Duration::from_nanos(t));
+            // Another key of the same shard, decided at each time first.
+            store.check_now("other", &policy, 1).unwrap();
+            let got = store.check_now("k", &policy, 1).unwrap();
+            let (next, want) = state.check(policy.limit(), policy.period_nanos(), t, 1);
+            if want.allowed() {
+                state = next;
+            }
+            assert_eq!(format!("{got:?}"), format!("{want:?}"), "at {t} ns");
+        }
     }
 
     /// A store of one shard that tracks at most `cap` pairs.
