@@ -117,7 +117,8 @@ impl Shard {
     /// window counter cannot tell from their state when they last moved); a clock gone back
     /// (only a manual one, in tests, or a custom clock against the [`Clock`] contract) gets its
     /// own time again, which each state takes as it takes any earlier time, as Redis's scripts
-    /// do. Either way, the decision is the one a reading under the lock would have given.
+    /// do. Either way, the times of a shard's decisions follow the order in which they are
+    /// taken, as when the clock was read under the lock (with a clock that does not go back).
     ///
     /// A branch, not a `max`: the reading is nearly always the later, and the decision's
     /// arithmetic can then start from it before the mark is loaded (behind the lock).
