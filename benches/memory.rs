@@ -1,4 +1,5 @@
 //! cargo bench --bench memory -- --warm-up-time 1 --measurement-time 3
+//! MEMORY_BENCH_INTERLEAVED=1000 cargo bench --bench memory   # one thread, interleaved (~10 s)
 //!
 //! The in-process check, per algorithm, against governor's keyed limiter on the same workloads in
 //! the same run. Only the decision is timed: the keys are built before the clock starts and the
@@ -16,6 +17,11 @@
 //! Both limiters read the machine's monotonic clock: tollgate's `SystemClock`, and governor's
 //! default clock (`RateLimiter::keyed`, a `QuantaClock`); the group `clock` times one reading of
 //! each, the floor under every check. BENCHMARKS.md has the figures.
+//!
+//! With `MEMORY_BENCH_INTERLEAVED=<rounds>`, criterion is left out: the one-thread workloads of
+//! every limiter run in alternation, one batch of checks each per round (`MEMORY_BENCH_BATCH`,
+//! 2,000 by default), so that a busy machine's load falls on all of them alike; it prints each
+//! one's median and lowest batch per check and governor's median divided by its own.
 
 #![allow(clippy::expect_used)]
 // a benchmark set-up that fails should stop loudly
@@ -209,7 +215,112 @@ fn clocks(c: &mut Criterion) {
     group.finish();
 }
 
+/// One thread, round after round: in each round every (workload, limiter) pair runs one batch
+/// of `batch` checks, timed, in turn, so that a neighbour's load falls on every pair alike.
+/// Per pair, the median and the lowest batch, per check: on a busy machine the lowest is the
+/// batch that no other process cut into.
+fn interleaved(rounds: usize, batch: usize) {
+    type Limiter<'a> = Box<dyn Fn(&String) -> bool + 'a>;
+    struct Pair<'a> {
+        workload: String,
+        name: &'static str,
+        keys: &'a [String],
+        check: Limiter<'a>,
+        cursor: usize,
+        times: Vec<f64>,
+    }
+    let key_sets = key_sets();
+    let mut pairs: Vec<Pair<'_>> = Vec::new();
+    for traffic in [Traffic::Admit, Traffic::Reject] {
+        for keys in &key_sets {
+            let workload = format!("{}/{}/1t", traffic.name(), keys.name);
+            for (name, policy) in traffic.policies() {
+                let store = MemoryStore::new();
+                let check: Limiter<'_> = Box::new(move |key: &String| {
+                    store.check_now(key, &policy, 1).is_ok_and(|d| d.allowed())
+                });
+                pairs.push(Pair {
+                    workload: workload.clone(),
+                    name,
+                    keys: &keys.keys,
+                    check,
+                    cursor: 0,
+                    times: Vec::with_capacity(rounds),
+                });
+            }
+            let governor = RateLimiter::keyed(traffic.quota());
+            pairs.push(Pair {
+                workload: workload.clone(),
+                name: "governor",
+                keys: &keys.keys,
+                check: Box::new(move |key: &String| governor.check_key(key).is_ok()),
+                cursor: 0,
+                times: Vec::with_capacity(rounds),
+            });
+        }
+    }
+    for pair in &pairs {
+        for key in pair.keys {
+            (pair.check)(key);
+        }
+    }
+    for _ in 0..rounds {
+        for pair in &mut pairs {
+            let (keys, check) = (pair.keys, &pair.check);
+            let mut i = pair.cursor;
+            let start = Instant::now();
+            for _ in 0..batch {
+                black_box(check(black_box(&keys[i])));
+                i += 1;
+                if i == keys.len() {
+                    i = 0;
+                }
+            }
+            let took = start.elapsed();
+            pair.cursor = i;
+            pair.times.push(took.as_nanos() as f64 / batch as f64);
+        }
+    }
+    println!(
+        "ns per check, {rounds} rounds of {batch} checks: the median batch, the lowest in \
+         brackets; then governor's median divided by this one's (above 1: tollgate is faster)"
+    );
+    let stats: Vec<(f64, f64)> = pairs
+        .iter_mut()
+        .map(|pair| {
+            pair.times.sort_by(f64::total_cmp);
+            (pair.times[pair.times.len() / 2], pair.times[0])
+        })
+        .collect();
+    for (pair, (median, lowest)) in pairs.iter().zip(&stats) {
+        let governor = pairs
+            .iter()
+            .zip(&stats)
+            .find(|(p, _)| p.workload == pair.workload && p.name == "governor")
+            .map_or(f64::NAN, |(_, s)| s.0);
+        println!(
+            "{:<16} {:<15} {median:>7.1} ({lowest:>5.1})  {:.2}x",
+            pair.workload,
+            pair.name,
+            governor / median
+        );
+    }
+}
+
 fn main() {
+    // `MEMORY_BENCH_INTERLEAVED=<rounds>`: the one-thread workloads of every limiter in
+    // alternation (`MEMORY_BENCH_BATCH` checks a batch, 2,000 by default), a minute or so.
+    if let Some(rounds) = std::env::var("MEMORY_BENCH_INTERLEAVED")
+        .ok()
+        .and_then(|r| r.parse().ok())
+    {
+        let batch = std::env::var("MEMORY_BENCH_BATCH")
+            .ok()
+            .and_then(|b| b.parse().ok())
+            .unwrap_or(2_000);
+        interleaved(rounds, batch);
+        return;
+    }
     let mut c = Criterion::default().configure_from_args();
     clocks(&mut c);
     in_process(&mut c);

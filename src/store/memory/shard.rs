@@ -8,6 +8,7 @@ use super::kept::{Kept, Timed};
 use super::key::Key;
 use crate::Policy;
 use crate::algorithm::{FixedWindow, Gcra, LeakyBucket, SlidingLog, SlidingWindow, TokenBucket};
+use crate::clock::Clock;
 use crate::sync::Mutex;
 
 /// One shard on its own cache lines, so that two threads on two shards never share one.
@@ -28,6 +29,17 @@ pub(super) struct Shard {
     /// How many pairs the tables hold.
     pub(super) len: usize,
     pub(super) order: Soonest,
+    /// The latest time a decision in this shard was taken at ([`Shard::decide_at`]).
+    pub(super) now: u64,
+}
+
+/// The clock read again, under a shard's lock: [`Shard::decide_at`] for a reading earlier than
+/// the shard's latest decision (a thread held up, or a clock gone back), and a stacked check
+/// likewise.
+#[cold]
+#[inline(never)]
+pub(super) fn reread(clock: &impl Clock) -> u64 {
+    clock.now()
 }
 
 /// Up to how many policies a shard finds a policy's table by comparing ids in turn.
@@ -90,6 +102,31 @@ impl<S: Kept> Slot<S> {
 impl Shard {
     pub(super) fn len(&self) -> usize {
         self.len
+    }
+
+    /// The time to decide at, for a check that read `read` from `clock` just before it took
+    /// this shard's lock, which becomes the time of the shard's latest decision.
+    ///
+    /// Nearly always the reading itself: no decision of the shard is later, so the check is
+    /// decided as if it had read the clock under the lock, without the reading inside the
+    /// critical section (it made every check's longer). A reading earlier than the shard's
+    /// latest decision is read again, now under the lock ([`reread`]): a thread held up between
+    /// its reading and the lock (preempted, or waiting for the lock) then gets a time no earlier
+    /// than any decision it finds committed (decided at its first reading, it saw them as its
+    /// future: a GCRA far below its limit refused, as GCRA, the fixed window and the sliding
+    /// window counter cannot tell from their state when they last moved); a clock gone back
+    /// (only a manual one, in tests, or a custom clock against the [`Clock`] contract) gets its
+    /// own time again, which each state takes as it takes any earlier time, as Redis's scripts
+    /// do. Either way, the times of a shard's decisions follow the order in which they are
+    /// taken, as when the clock was read under the lock (with a clock that does not go back).
+    ///
+    /// A branch, not a `max`: the reading is nearly always the later, and the decision's
+    /// arithmetic can then start from it before the mark is loaded (behind the lock).
+    #[inline]
+    pub(super) fn decide_at(&mut self, read: u64, clock: &impl Clock) -> u64 {
+        let now = if read < self.now { reread(clock) } else { read };
+        self.now = now;
+        now
     }
 
     /// Where policy `id` is in `policies`, if it has pairs in the shard.
