@@ -24,7 +24,11 @@
 //! every request: that alone costs 110 to 130 ns per request, even for a layer that does
 //! nothing (BENCHMARKS.md). Rules on axum route templates (`Rule::route`) need the layer
 //! inside the router (`Router::layer` or `Router::route_layer`), because `MatchedPath` exists
-//! only once the router has matched a route; rules on paths and prefixes work in both places.
+//! only once the router has matched a route; rules on paths and prefixes work in both places,
+//! and in a router nested with `Router::nest` they match the full path, as it was before axum
+//! stripped the nest's prefix. Paths are compared as the application reads them, decoded:
+//! `/files/%65xports` is `/files/exports` (see [the limiter's rules on
+//! paths](crate::limiter#paths)).
 //!
 //! ```no_run
 //! use std::net::SocketAddr;

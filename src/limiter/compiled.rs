@@ -8,6 +8,7 @@ use http::{HeaderValue, Method};
 use smallvec::SmallVec;
 
 use super::build::{LimiterError, valid_name};
+use super::path::RequestPath;
 use super::rule::{Cost, MissingKey, Route, Rule};
 use super::tier::TierLookup;
 use crate::answer::StatusField;
@@ -226,9 +227,9 @@ impl CompiledRule {
     /// `HEAD`, which axum's `get` serves with the same handler, unless the rule asks for exact
     /// methods) and by route.
     #[inline(always)]
-    pub(super) fn matches(&self, parts: &Parts) -> bool {
+    pub(super) fn matches(&self, parts: &Parts, path: &RequestPath<'_>) -> bool {
         (self.methods.is_empty() || self.methods.contains(&parts.method))
-            && self.route.matches(parts)
+            && self.route.matches(parts, path)
     }
 }
 

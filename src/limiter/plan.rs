@@ -8,6 +8,7 @@ use smallvec::SmallVec;
 
 use super::build::Limiter;
 use super::compiled::{CompiledRule, PolicySet};
+use super::path::RequestPath;
 use super::rule::MissingKey;
 use crate::Policy;
 use crate::key::{Key, MAX_KEY_LEN};
@@ -164,7 +165,7 @@ impl<St: Store> Limiter<St> {
         let Some(rule) = self.rules.first() else {
             return Single::Skip;
         };
-        if !rule.matches(parts) {
+        if !rule.matches(parts, &RequestPath::of(parts)) {
             return Single::Skip;
         }
         let key = match rule_key(rule, 0, parts) {
@@ -247,8 +248,10 @@ impl<St: Store> Limiter<St> {
     /// The rules that apply to this request, with keys, costs and (cached) tiers.
     #[inline]
     fn fill(&self, parts: &Parts, plan: &mut Plan) -> Result<(), NoKey> {
+        // Read (and, if it must be, decoded) once, by the first rule on a path.
+        let path = RequestPath::of(parts);
         for (index, rule) in self.rules.iter().enumerate() {
-            if !rule.matches(parts) {
+            if !rule.matches(parts, &path) {
                 continue;
             }
             let index = u16::try_from(index).unwrap_or(u16::MAX);

@@ -7,6 +7,7 @@ use http::request::Parts;
 use http::{Method, StatusCode};
 use smallvec::SmallVec;
 
+use super::path::RequestPath;
 use super::tier::Tiers;
 use crate::Policy;
 use crate::key::{Global, Key, KeyExtractor};
@@ -110,16 +111,20 @@ impl Rule {
         self
     }
 
-    /// Only requests for exactly this path (`/login`).
+    /// Only requests for exactly this path (`/login`), however it is spelled: paths are
+    /// compared percent-decoded (`/%6Cogin` is `/login`), with runs of `/` collapsed and,
+    /// as a second reading, dot segments resolved; with feature `axum`, the full path even
+    /// inside a nested router. See [the rules on paths](super#paths).
     pub fn path(mut self, path: impl Into<String>) -> Self {
-        self.route = Route::Exact(path.into().into());
+        self.route = Route::Exact(super::path::normalize(&path.into()));
         self
     }
 
     /// Only requests for paths under `prefix`, by whole segments: `/api` matches `/api` and
-    /// `/api/users` but not `/apis`.
+    /// `/api/users` but not `/apis`. Paths are read as [`Rule::path`] reads them:
+    /// `/files/%65xports/a.csv` and `/files/exports%2Fa.csv` are under `/files/exports`.
     pub fn path_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.route = Route::Prefix(prefix.into().into());
+        self.route = Route::Prefix(super::path::normalize(&prefix.into()));
         self
     }
 
@@ -257,7 +262,7 @@ impl Matcher {
 
     pub(crate) fn matches(&self, parts: &Parts) -> bool {
         (self.methods.is_empty() || self.methods.contains(&parts.method))
-            && self.route.matches(parts)
+            && self.route.matches(parts, &RequestPath::of(parts))
     }
 
     /// Whether the rule refuses a request it finds no key for.
@@ -311,29 +316,37 @@ pub(crate) fn effective_methods(
     methods
 }
 
-/// Which requests a rule matches, by path.
-#[derive(Clone, Debug)]
+/// Which requests a rule matches, by path: exact paths and prefixes as
+/// [`normalize`](super::path::normalize) reads them.
+#[derive(Clone)]
 pub(crate) enum Route {
     Any,
-    Exact(Box<str>),
-    Prefix(Box<str>),
+    Exact(Box<[u8]>),
+    Prefix(Box<[u8]>),
     #[cfg(feature = "axum")]
     Template(Box<str>),
 }
 
+impl fmt::Debug for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Route::Any => f.write_str("Any"),
+            Route::Exact(p) => write!(f, "Exact({:?})", String::from_utf8_lossy(p)),
+            Route::Prefix(p) => write!(f, "Prefix({:?})", String::from_utf8_lossy(p)),
+            #[cfg(feature = "axum")]
+            Route::Template(t) => write!(f, "Template({t:?})"),
+        }
+    }
+}
+
 impl Route {
+    /// Whether the request (whose path, read once for all rules, is `path`) is on this route.
     #[inline]
-    pub(crate) fn matches(&self, parts: &Parts) -> bool {
+    pub(crate) fn matches(&self, parts: &Parts, path: &RequestPath<'_>) -> bool {
         match self {
             Route::Any => true,
-            Route::Exact(path) => parts.uri.path() == &**path,
-            Route::Prefix(prefix) => {
-                let path = parts.uri.path();
-                match path.strip_prefix(&**prefix) {
-                    Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
-                    None => false,
-                }
-            }
+            Route::Exact(exact) => path.is(exact),
+            Route::Prefix(prefix) => path.is_under(prefix),
             #[cfg(feature = "axum")]
             Route::Template(template) => parts
                 .extensions
@@ -376,14 +389,18 @@ mod tests {
     #[test]
     fn prefixes_match_whole_segments() {
         let parts = |p: &str| http::Request::get(p).body(()).unwrap().into_parts().0;
-        let api = Route::Prefix("/api".into());
-        assert!(api.matches(&parts("/api")));
-        assert!(api.matches(&parts("/api/users")));
-        assert!(!api.matches(&parts("/apis")));
-        let slash = Route::Prefix("/api/".into());
-        assert!(slash.matches(&parts("/api/x")));
-        assert!(!slash.matches(&parts("/api")));
-        assert!(Route::Exact("/a".into()).matches(&parts("/a?x=1")));
-        assert!(!Route::Exact("/a".into()).matches(&parts("/a/")));
+        let on = |route: &Route, p: &str| {
+            let parts = parts(p);
+            route.matches(&parts, &RequestPath::of(&parts))
+        };
+        let api = Route::Prefix(b"/api"[..].into());
+        assert!(on(&api, "/api"));
+        assert!(on(&api, "/api/users"));
+        assert!(!on(&api, "/apis"));
+        let slash = Route::Prefix(b"/api/"[..].into());
+        assert!(on(&slash, "/api/x"));
+        assert!(!on(&slash, "/api"));
+        assert!(on(&Route::Exact(b"/a"[..].into()), "/a?x=1"));
+        assert!(!on(&Route::Exact(b"/a"[..].into()), "/a/"));
     }
 }
