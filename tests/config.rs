@@ -1545,3 +1545,204 @@ async fn reload_from_a_file() {
         "{missing}"
     );
 }
+
+// Deep nesting: refused before anything recurses on it, never a crash.
+
+mod nesting {
+    use super::*;
+    use proptest::prelude::*;
+    use tollgate::config::{MAX_FILE_LEN, MAX_NESTING};
+
+    /// `Config::from_toml` on a thread with a 2 MiB stack (tokio's workers' default): a
+    /// stack overflow ends the whole process, which fails the suite.
+    fn read_on_a_small_stack(text: String) -> Result<Config, tollgate::config::ConfigErrors> {
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || Config::from_toml(&text))
+            .unwrap()
+            .join()
+            .expect("no panic")
+    }
+
+    fn too_deep(result: &Result<Config, tollgate::config::ConfigErrors>) -> bool {
+        result
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("nests more than"))
+    }
+
+    /// Inline tables each holding a dotted key of `parts` parts, `depth` of them, then `1`.
+    fn inline_tables(depth: usize, parts: usize) -> String {
+        let key = vec!["b"; parts].join(".");
+        let mut text = String::from("a = ");
+        for _ in 0..depth {
+            text.push_str(&format!("{{ {key} = "));
+        }
+        text.push('1');
+        text.push_str(&" }".repeat(depth));
+        text.push('\n');
+        text
+    }
+
+    /// The reported text (80 inline tables each holding a 79-part dotted key: 6,241 tables in
+    /// 43 KB, which toml's separate bounds on each let through), and the deepest texts of each
+    /// kind that fit the size limit: refused with an error that says why, on a 2 MiB stack.
+    #[test]
+    fn the_deepest_texts_are_refused_not_a_crash() {
+        let reported = inline_tables(80, 79);
+        assert!(reported.len() < 50_000);
+        let fill = |unit: &str, around: usize| unit.repeat((MAX_FILE_LEN - around) / unit.len());
+        let texts = [
+            ("reported", reported),
+            // Inline tables, with one-part and two-part keys, as deep as 1 MiB goes.
+            ("inline tables", inline_tables((MAX_FILE_LEN - 16) / 10, 1)),
+            (
+                "inline tables, dotted",
+                inline_tables((MAX_FILE_LEN - 16) / 12, 2),
+            ),
+            ("arrays", format!("a = {}", fill("[", 8))),
+            ("dotted key", format!("{}a = 1", fill("a.", 8))),
+            ("header", format!("[{}a]", fill("a.", 8))),
+            ("array of tables", format!("[[{}a]]", fill("a.", 8))),
+            ("mixed", format!("a = {}", fill("{ b.c = [", 16))),
+        ];
+        for (kind, text) in texts {
+            assert!(text.len() <= MAX_FILE_LEN, "{kind}: {} bytes", text.len());
+            let result = read_on_a_small_stack(text);
+            assert!(too_deep(&result), "{kind}: {result:?}");
+            let error = result.unwrap_err().to_string();
+            assert!(error.contains(&MAX_NESTING.to_string()), "{kind}: {error}");
+            assert!(error.starts_with("line 1:"), "{kind}: {error}");
+        }
+    }
+
+    /// The deepest texts that are let through are parsed, cloned, read and dropped on a 2 MiB
+    /// stack (in debug, where each level costs most).
+    #[test]
+    fn the_deepest_texts_let_through_are_read_on_a_small_stack() {
+        let texts = [
+            format!(
+                "a = {}1{}",
+                "[".repeat(MAX_NESTING),
+                "]".repeat(MAX_NESTING)
+            ),
+            format!("{}a = 1", "a.".repeat(MAX_NESTING)),
+            inline_tables(MAX_NESTING, 1),
+            inline_tables(MAX_NESTING / 4, 4),
+            format!("[{}a]\nb = 1", "a.".repeat(MAX_NESTING / 2 - 1)),
+        ];
+        for text in texts {
+            let result = read_on_a_small_stack(text.clone());
+            assert!(!too_deep(&result), "{text}: {result:?}");
+            // Not a configuration, but read: the first unknown field is reported.
+            assert!(result.is_err_and(|e| e.to_string().contains("unknown field")));
+        }
+        // One level more is refused.
+        let deeper = format!("{}a = 1", "a.".repeat(MAX_NESTING + 1));
+        assert!(too_deep(&read_on_a_small_stack(deeper)));
+    }
+
+    /// Strings and comments are not nesting: brackets, braces and dots in them count for
+    /// nothing, in every kind of string.
+    #[test]
+    fn strings_and_comments_do_not_nest() {
+        let noise = "[{.[{.".repeat(MAX_NESTING);
+        let text = format!(
+            r#"
+# {noise}
+[[rules]] # {noise}
+name = "x{noise}"
+"quoted.{noise}".'also.{noise}' = 1
+literal = '{noise}'
+multi = """
+{noise} \""" {noise}
+"""
+multi_literal = '''
+{noise}
+'''
+escaped = "\"{noise}"
+"#
+        );
+        let result = read_on_a_small_stack(text);
+        assert!(!too_deep(&result), "{result:?}");
+    }
+
+    /// One generated level of nesting: an inline table holding a dotted key of `parts` parts
+    /// (`parts` levels), or an array (one level).
+    #[derive(Clone, Debug)]
+    enum Level {
+        Table(usize),
+        Array,
+    }
+
+    /// Noise that nests nothing: whitespace, a comment at a line's end (inside arrays, where
+    /// lines may break), strings full of brackets.
+    fn noise() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec!["", " ", "\n", " # [{.[{ \n", "\t"])
+    }
+
+    /// A text whose nesting is known: a header of `h` parts (`[[..]]` or `[..]`; its parts
+    /// count twice, as each may be an array of tables and its element), a key of `k` parts,
+    /// and nested levels; and that nesting.
+    fn text() -> impl Strategy<Value = (String, usize)> {
+        (
+            0usize..4,
+            any::<bool>(),
+            1usize..6,
+            prop::collection::vec(
+                prop_oneof![(1usize..6).prop_map(Level::Table), Just(Level::Array)],
+                0..(MAX_NESTING + 8),
+            ),
+            noise(),
+        )
+            .prop_map(|(h, array, k, levels, noise)| {
+                let mut text = String::new();
+                let mut depth = 0;
+                if h > 0 {
+                    let parts = vec!["\"h.[{\""; h].join(".");
+                    text.push_str(&if array {
+                        format!("[[{parts}]] # [{{\n")
+                    } else {
+                        format!("[{parts}]\n")
+                    });
+                    depth += 2 * h;
+                }
+                text.push_str(&vec!["k"; k].join("."));
+                text.push_str(" = ");
+                depth += k - 1;
+                let mut closing = Vec::new();
+                for level in &levels {
+                    match level {
+                        Level::Table(parts) => {
+                            let key = vec!["'t.]'"; *parts].join(" . ");
+                            text.push_str(&format!("{{ s = \"}}]\", {key} = "));
+                            closing.push(" }");
+                            depth += parts;
+                        }
+                        Level::Array => {
+                            text.push_str(&format!("[\"]}}\",{noise}"));
+                            closing.push("]");
+                            depth += 1;
+                        }
+                    }
+                }
+                text.push('1');
+                while let Some(close) = closing.pop() {
+                    text.push_str(close);
+                }
+                text.push('\n');
+                (text, depth)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// A text nesting deeper than the bound is refused as such; one within it never is;
+        /// neither ever ends the process.
+        #[test]
+        fn nesting_is_counted_as_the_docs_say((text, depth) in text()) {
+            let result = read_on_a_small_stack(text.clone());
+            prop_assert_eq!(too_deep(&result), depth > MAX_NESTING, "depth {}: {}", depth, text);
+        }
+    }
+}

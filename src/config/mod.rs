@@ -167,6 +167,15 @@
 //! Unknown fields are errors everywhere (a misspelt option never silently does nothing). A
 //! file that is not TOML at all reports its syntax error with the line.
 //!
+//! A text is at most [`MAX_FILE_LEN`] bytes (1 MiB) and nests at most [`MAX_NESTING`] levels
+//! (32): tables, the parts of dotted keys (a table header's parts count twice, each may be an
+//! array of tables and its element), inline tables and arrays, all counted together. A
+//! deeper text is refused, with the line at which it goes too deep, by a scan that reads
+//! strings and comments as such, before the text is parsed: parsing, and every step after
+//! it, recurses once per level, and toml's own bounds count inline tables and dotted keys
+//! apart, so that a few kilobytes of text could nest thousands of levels and overflow the
+//! stack of the thread reading it.
+//!
 //! The check has two phases, and the report lists the problems of the first, then those of
 //! the second:
 //!
@@ -208,6 +217,7 @@
 //! (restart to apply them), so what runs is always what the file says.
 
 mod build;
+mod depth;
 mod human;
 mod reload;
 mod schema;
@@ -217,6 +227,7 @@ use std::fmt;
 use std::path::Path;
 
 pub use build::Bindings;
+pub use depth::MAX_NESTING;
 pub use human::{HumanDuration, HumanError, HumanRate};
 pub use reload::{ReloadSummary, Reloader};
 pub use schema::{
@@ -350,6 +361,16 @@ impl Config {
                 format!(
                     "{} bytes: a configuration is at most {MAX_FILE_LEN}",
                     text.len()
+                ),
+            ));
+        }
+        // Before anything recurses on it (toml's parser, the clone and the reading below).
+        if let Some(line) = depth::too_deep(text) {
+            return Err(ConfigErrors::one(
+                "",
+                format!(
+                    "line {line}: nests more than {MAX_NESTING} levels deep (tables, dotted \
+                     keys, inline tables and arrays together); a configuration needs about 8"
                 ),
             ));
         }
