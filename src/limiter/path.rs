@@ -31,17 +31,18 @@ use std::cell::OnceCell;
 use http::request::Parts;
 
 /// The path of one request as path rules read it: found, and decoded if it must be, at
-/// most once however many rules ask, and not at all when no rule asks.
+/// most once however many rules ask, and not at all when no rule asks (or when the path as
+/// it is matches).
 pub(crate) struct RequestPath<'a> {
     parts: Option<&'a Parts>,
-    raw: &'a str,
-    reading: OnceCell<Reading<'a>>,
+    raw: OnceCell<&'a str>,
+    reading: OnceCell<Reading>,
 }
 
-/// How a path reads.
-enum Reading<'a> {
-    /// As it is: nothing to decode.
-    Plain(&'a str),
+/// How a path that does not match as it is reads.
+enum Reading {
+    /// As it is: nothing to decode, so nothing more to match.
+    Plain,
     /// Percent-decoded, runs of `/` collapsed; whether it has a `..` segment.
     Spelled { decoded: Vec<u8>, up: bool },
 }
@@ -53,7 +54,7 @@ impl<'a> RequestPath<'a> {
     pub(crate) fn of(parts: &'a Parts) -> Self {
         RequestPath {
             parts: Some(parts),
-            raw: "",
+            raw: OnceCell::new(),
             reading: OnceCell::new(),
         }
     }
@@ -63,36 +64,38 @@ impl<'a> RequestPath<'a> {
     pub(crate) fn new(raw: &'a str) -> Self {
         RequestPath {
             parts: None,
-            raw,
+            raw: OnceCell::from(raw),
             reading: OnceCell::new(),
         }
     }
 
-    /// The path's reading, made the first time.
+    /// The path as the request has it.
     #[inline]
-    fn reading(&self) -> &Reading<'a> {
-        self.reading.get_or_init(|| {
-            let raw = match self.parts {
-                Some(parts) => raw_path(parts),
-                None => self.raw,
-            };
-            if is_plain(raw.as_bytes()) {
-                return Reading::Plain(raw);
-            }
-            let decoded = decode(raw.as_bytes());
-            let up = decoded.split(|&b| b == b'/').any(|s| s == b"..");
-            Reading::Spelled { decoded, up }
-        })
+    fn raw(&self) -> &'a str {
+        self.raw.get_or_init(|| self.parts.map_or("", raw_path))
     }
 
-    /// Whether `test` holds for one reading of the path, against the rule path `rule`: the
-    /// path as it is (decoded), or resolved by a handler whose root is any of the rule's first
-    /// segments (a `..` there stops at that root, as a file server or URL resolution keeps a
-    /// client inside it).
+    /// Whether `test` holds for the path as it is, or, failing that, for one of its readings,
+    /// against the rule path `rule`: decoded, or resolved by a handler whose root is any of
+    /// the rule's first segments (a `..` there stops at that root, as a file server or URL
+    /// resolution keeps a client inside it).
     #[inline]
     fn any(&self, rule: &[u8], test: impl Fn(&[u8]) -> bool) -> bool {
-        match self.reading() {
-            Reading::Plain(raw) => test(raw.as_bytes()),
+        let raw = self.raw();
+        // A path that matches as it is matches decoded too: the rule has no escape, no `//`
+        // and no dot segment, so neither has the part of the path it matches.
+        if test(raw.as_bytes()) {
+            return true;
+        }
+        let reading = self.reading.get_or_init(|| {
+            if is_plain(raw.as_bytes()) {
+                Reading::Plain
+            } else {
+                spelled(raw)
+            }
+        });
+        match reading {
+            Reading::Plain => false,
             Reading::Spelled { decoded, up } => {
                 test(decoded)
                     || if *up {
@@ -115,6 +118,15 @@ impl<'a> RequestPath<'a> {
     pub(crate) fn is_under(&self, prefix: &[u8]) -> bool {
         self.any(prefix, |p| under(p, prefix))
     }
+}
+
+/// The reading of a path that needs decoding.
+#[cold]
+#[inline(never)]
+fn spelled(raw: &str) -> Reading {
+    let decoded = decode(raw.as_bytes());
+    let up = decoded.split(|&b| b == b'/').any(|s| s == b"..");
+    Reading::Spelled { decoded, up }
 }
 
 /// The path a request is for: the full original one a router of axum's kept, if any.
@@ -180,28 +192,26 @@ pub(crate) fn normalize(path: &str) -> Box<[u8]> {
     resolve(&decode(path.as_bytes()), 0).into()
 }
 
-/// Whether `path` needs no decoding: no `%`, no `//`, no `.` or `..` segment.
+/// Whether `path` needs no decoding: no `%`, no `//`, no `.` or `..` segment. One pass, one
+/// comparison for most bytes (letters and digits are all above `/`).
 #[inline]
 pub(crate) fn is_plain(path: &[u8]) -> bool {
-    let mut i = 0;
-    while i < path.len() {
-        match path[i] {
-            b'%' => return false,
-            b'/' => match path.get(i + 1) {
-                Some(b'/') => return false,
-                Some(b'.') => {
-                    let end = |at: usize| matches!(path.get(at), None | Some(b'/'));
-                    if end(i + 2) || (path.get(i + 2) == Some(&b'.') && end(i + 3)) {
-                        return false;
-                    }
-                }
-                _ => {}
-            },
-            _ => {}
+    // 1: just after a `/`; 2: after `/.`; 3: after `/..`; 0: elsewhere.
+    let mut state = 0u8;
+    for &b in path {
+        if b > b'/' {
+            state = 0;
+            continue;
         }
-        i += 1;
+        state = match (state, b) {
+            (_, b'%') | (1..=3, b'/') => return false,
+            (_, b'/') => 1,
+            (1, b'.') => 2,
+            (2, b'.') => 3,
+            _ => 0,
+        };
     }
-    true
+    state < 2
 }
 
 fn hex(b: u8) -> Option<u8> {
@@ -297,6 +307,33 @@ mod tests {
             "/%61", "//a", "/a//", "/.", "/./a", "/a/..", "/a/../b", "/a/.", "%",
         ] {
             assert!(!is_plain(spelled.as_bytes()), "{spelled}");
+        }
+    }
+
+    /// The one-pass test agrees with its definition on every string of up to 6 bytes over the
+    /// bytes that matter.
+    #[test]
+    fn plain_is_what_it_says() {
+        let naive = |p: &[u8]| {
+            !p.contains(&b'%')
+                && !p.windows(2).any(|w| w == b"//")
+                && p.split(|&b| b == b'/')
+                    .skip(1)
+                    .all(|s| s != b"." && s != b"..")
+        };
+        let alphabet = [b'/', b'.', b'%', b'a'];
+        let mut strings = vec![Vec::new()];
+        for _ in 0..6 {
+            let longer: Vec<Vec<u8>> = strings
+                .iter()
+                .flat_map(|s| alphabet.iter().map(move |&b| [s.as_slice(), &[b]].concat()))
+                .collect();
+            for s in &longer {
+                let mut p = vec![b'/'];
+                p.extend_from_slice(s);
+                assert_eq!(is_plain(&p), naive(&p), "{}", text(&p));
+            }
+            strings = longer;
         }
     }
 
