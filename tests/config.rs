@@ -280,6 +280,52 @@ shares = { urgent = 0.5 }
     );
 }
 
+/// The same policy twice in a rule, or in a tier, is refused with its path (before the fix
+/// the file was accepted, and every request counted twice against it). The same numbers under
+/// two names, or in two tiers, are two policies.
+#[test]
+fn a_policy_listed_twice_is_refused_with_its_path() {
+    let text = r#"
+[[rules]]
+name = "dup"
+policies = [
+  { algorithm = "fixed_window", limit = 10, window = "1m" },
+  { algorithm = "gcra", rate = "1/s" },
+  { algorithm = "fixed_window", limit = 10, window = "60s" },
+]
+
+[[rules]]
+name = "named"
+policies = [
+  { algorithm = "fixed_window", limit = 10, window = "1m" },
+  { algorithm = "fixed_window", limit = 10, window = "1m", name = "again" },
+]
+
+[[rules]]
+name = "tiers"
+tiers.keys = { k = "pro" }
+tiers.plans = [
+  { name = "free", policies = [{ algorithm = "gcra", rate = "1/s" }] },
+  { name = "pro", policies = [{ algorithm = "gcra", rate = "1/s" }, { algorithm = "gcra", rate = "1/s" }] },
+]
+"#;
+    let errors = Config::from_toml(text).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "rules[0].policies[2]",
+            "rules[2].tiers.plans[1].policies[1]"
+        ],
+        "{errors}"
+    );
+    assert!(
+        errors
+            .to_string()
+            .contains("the same policy as rules[0].policies[0]"),
+        "{errors}"
+    );
+}
+
 /// Unknown fields and values of the wrong type are all reported, not only the first.
 #[test]
 fn unknown_fields_and_types_are_all_reported() {

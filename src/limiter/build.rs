@@ -200,6 +200,18 @@ pub enum LimiterError {
         /// What is wrong.
         reason: String,
     },
+    /// A rule (or one of its tiers) lists the same policy twice: one state in the store,
+    /// which each request would be counted against twice.
+    DuplicatePolicy {
+        /// The rule.
+        rule: String,
+        /// The tier, for a rule with tiers.
+        tier: Option<String>,
+        /// Where the policy is listed first (from 0).
+        first: usize,
+        /// Where it is listed again.
+        again: usize,
+    },
     /// More rules than 65 535.
     TooManyRules(usize),
     /// The store refuses keys longer than `max` bytes, and the limiter makes keys of up to
@@ -232,6 +244,22 @@ impl fmt::Display for LimiterError {
             ),
             LimiterError::InvalidTiers { rule, reason } => {
                 write!(f, "the tiers of rule {rule:?}: {reason}")
+            }
+            LimiterError::DuplicatePolicy {
+                rule,
+                tier,
+                first,
+                again,
+            } => {
+                write!(f, "rule {rule:?}")?;
+                if let Some(tier) = tier {
+                    write!(f, ", tier {tier:?},")?;
+                }
+                write!(
+                    f,
+                    " lists the same policy twice (policies {first} and {again}): every request \
+                     would count twice against it; list it once, or name the two apart"
+                )
             }
             LimiterError::TooManyRules(n) => write!(f, "{n} rules: at most 65535"),
             LimiterError::StoreKeyTooShort { max, longest } => write!(

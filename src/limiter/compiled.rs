@@ -253,6 +253,18 @@ impl PolicySet {
         policies: Vec<Policy>,
         shadow: bool,
     ) -> Result<Self, LimiterError> {
+        // The same policy twice is one state in the store, counted twice per request: half
+        // the limit, and a cost above half of it never admitted.
+        for (j, policy) in policies.iter().enumerate() {
+            if let Some(i) = policies[..j].iter().position(|p| p.id() == policy.id()) {
+                return Err(LimiterError::DuplicatePolicy {
+                    rule: rule.to_owned(),
+                    tier: tier.map(str::to_owned),
+                    first: i,
+                    again: j,
+                });
+            }
+        }
         let single = policies.len() == 1;
         let names: Box<[Arc<str>]> = policies
             .iter()

@@ -96,7 +96,9 @@ pub(crate) use build::valid_name;
 pub use build::{Limiter, LimiterBuilder, LimiterError};
 pub(crate) use compiled::{SF_INTEGER_MAX, field_value};
 pub use observe::ShadowRejection;
-pub(crate) use plan::{Applied, NoKey, Plan, ShadowPlan, Single, Start, hashed_key};
+pub(crate) use plan::{
+    Applied, Costly, NoKey, Plan, ShadowCheck, ShadowPlan, Single, Start, hashed_key,
+};
 pub(crate) use rule::Matcher;
 pub use rule::{MissingKey, Rule};
 pub use tier::{

@@ -26,8 +26,16 @@ use crate::key::{Global, Key, KeyExtractor};
 ///   key's tier.
 /// - **What it costs**: 1 unless set, a fixed weight ([`Rule::cost`]) or a closure over the
 ///   request head ([`Rule::cost_fn`]). A cost of 0 is checked (and reported) but consumes
-///   nothing. A cost above a policy's limit is counted as that limit, so the request then
-///   needs the policy's whole allowance instead of being refused forever.
+///   nothing. A cost above a policy's limit can never be admitted: the request is refused as
+///   over that limit (429 naming the policy, with no `Retry-After`, since no wait would do;
+///   gRPC `RESOURCE_EXHAUSTED`), without asking the store, and consumes nothing from any
+///   policy. A store that answers such a cost with
+///   [`StoreError::CostExceedsLimit`](crate::StoreError::CostExceedsLimit) gets the same
+///   answer, never a 503 that a failure policy could turn into an admission.
+/// - **Each policy once**: the same policy (algorithm, numbers and name) twice in one rule,
+///   or in one tier, is refused when the limiter is built
+///   ([`LimiterError::DuplicatePolicy`](super::LimiterError::DuplicatePolicy)): it is one
+///   state in the store, which every request would be counted against twice.
 /// - **No key**: see [`MissingKey`]; by default such a request is refused with a 500, which
 ///   makes a misconfigured key (say, `PeerIp` without `ConnectInfo`) impossible to miss.
 /// - **Shadow**: [`Rule::shadow`] decides and reports without ever refusing.
@@ -190,7 +198,11 @@ impl Rule {
     /// observer) but never refuses a request, and its fields are not sent to clients: a request
     /// it finds no key for skips it, whatever [`Rule::on_missing_key`] says. Use it
     /// to roll out a limit safely. Shadow rules are checked after the enforced ones, all or
-    /// nothing among themselves, and only for requests the enforced rules admitted.
+    /// nothing among themselves, and only for requests the enforced rules admitted. A shadow
+    /// rule never holds a request up: with [`Rule::tiers`], a key whose tier is not known yet
+    /// is skipped while its tier is looked up on a task of its own (one lookup per key at a
+    /// time, on the tokio runtime; outside one nothing is looked up), and its next requests
+    /// are decided in that tier.
     pub fn shadow(mut self) -> Self {
         self.shadow = true;
         self

@@ -348,6 +348,7 @@ pub(crate) struct TierLookup {
     /// Fallbacks: at most one WARN a second (on `clock`), the others at DEBUG.
     #[cfg(feature = "tracing")]
     warned: crate::telemetry::WarnEvery,
+
     /// `tollgate_tier_cache_total`, by result.
     hits: Counter,
     misses: Counter,
@@ -399,6 +400,19 @@ impl TierLookup {
     pub(crate) fn tier_of_owned(self: &Arc<Self>, key: Box<str>, raw: Box<str>) -> TierOf {
         let lookup = Arc::clone(self);
         Box::pin(async move { lookup.tier_of(&key, &raw).await })
+    }
+
+    /// Looks `key`'s tier up on a task of its own, unless a lookup of it is under way (for a
+    /// shadow rule, which never holds a request up): its answer is remembered for the key's
+    /// next requests. Needs a tokio runtime; outside one, nothing is looked up.
+    pub(crate) fn look_up_in_background(self: &Arc<Self>, key: &str, raw: Box<str>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.flights.lock().contains_key(key) {
+            return;
+        }
+        drop(runtime.spawn(self.tier_of_owned(key.into(), raw)));
     }
 
     /// The tier of `key` (the extractor's key `raw` is what the resolver is asked), with one

@@ -132,6 +132,7 @@ impl<'a> Builder<'a> {
             _ => {}
         }
         let cost = spec.cost.unwrap_or(1);
+        duplicates(&policies, &format!("{path}.policies"), &mut self.problems);
         for (j, p) in policies.iter().enumerate() {
             if let Some(p) = p {
                 self.redis_runs(p, &format!("{path}.policies[{j}]"));
@@ -139,8 +140,8 @@ impl<'a> Builder<'a> {
                     self.problems.add(
                         format!("{path}.cost"),
                         format!(
-                            "{cost} is more than the limit of policies[{j}] ({}), which counts \
-                             such a request as its whole limit",
+                            "{cost} is more than the limit of policies[{j}] ({}), which would \
+                             refuse every request",
                             p.limit()
                         ),
                     );
@@ -250,6 +251,11 @@ impl<'a> Builder<'a> {
                 &format!("{plan_path}.policies"),
                 &mut self.problems,
             );
+            duplicates(
+                &policies,
+                &format!("{plan_path}.policies"),
+                &mut self.problems,
+            );
             for (j, p) in policies.iter().enumerate() {
                 if let Some(p) = p {
                     self.redis_runs(p, &format!("{plan_path}.policies[{j}]"));
@@ -258,7 +264,7 @@ impl<'a> Builder<'a> {
                             format!("{plan_path}.policies[{j}]"),
                             format!(
                                 "its limit ({}) is below the rule's cost ({cost}), which would \
-                                 count such a request as its whole limit",
+                                 refuse every request of the tier",
                                 p.limit()
                             ),
                         );
@@ -299,6 +305,26 @@ pub(super) fn route(rule: Rule, _: &str, path: &str, p: &mut Problems) -> Rule {
         "route templates need tollgate's feature `axum`; use path or path_prefix",
     );
     rule
+}
+
+/// A problem at each policy of a list that repeats an earlier one (the same algorithm,
+/// numbers and name): one state in the store, which every request would count twice against.
+fn duplicates(policies: &[Option<Policy>], path: &str, p: &mut Problems) {
+    for (j, policy) in policies.iter().enumerate() {
+        let Some(policy) = policy else { continue };
+        let first = policies[..j]
+            .iter()
+            .position(|other| other.as_ref().is_some_and(|o| o.id() == policy.id()));
+        if let Some(i) = first {
+            p.add(
+                format!("{path}[{j}]"),
+                format!(
+                    "the same policy as {path}[{i}]: every request would count twice against \
+                     it; list it once, or give the two names of their own"
+                ),
+            );
+        }
+    }
 }
 
 /// The policies of a list, each `None` after a problem.
