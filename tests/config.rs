@@ -326,6 +326,31 @@ tiers.plans = [
     );
 }
 
+/// A route in axum 0.7's syntax, which axum 0.8 never matches, is refused with the template
+/// in 0.8's syntax, in rate-limit and concurrency rules alike (before the fix it was accepted
+/// and never matched).
+#[test]
+fn an_axum_07_route_is_refused_with_a_hint() {
+    let text = r#"
+[[rules]]
+name = "user"
+route = "/users/:id"
+policies = [{ algorithm = "gcra", rate = "1/s" }]
+
+[concurrency]
+rules = [{ name = "files", route = "/files/*rest", max_in_flight = 2 }]
+"#;
+    let errors = Config::from_toml(text).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        ["rules[0].route", "concurrency.rules[0].route"],
+        "{errors}"
+    );
+    let text = errors.to_string();
+    assert!(text.contains(r#"write "/users/{id}""#), "{text}");
+    assert!(text.contains(r#"write "/files/{*rest}""#), "{text}");
+}
+
 /// Unknown fields and values of the wrong type are all reported, not only the first.
 #[test]
 fn unknown_fields_and_types_are_all_reported() {

@@ -212,6 +212,16 @@ pub enum LimiterError {
         /// Where it is listed again.
         again: usize,
     },
+    /// A rule on a route template in axum 0.7's syntax (`/users/:id`), which axum 0.8 never
+    /// matches.
+    OldRouteSyntax {
+        /// The rule.
+        rule: String,
+        /// The template given.
+        route: String,
+        /// The same template in axum 0.8's syntax (`/users/{id}`).
+        suggested: String,
+    },
     /// More rules than 65 535.
     TooManyRules(usize),
     /// The store refuses keys longer than `max` bytes, and the limiter makes keys of up to
@@ -261,6 +271,15 @@ impl fmt::Display for LimiterError {
                      would count twice against it; list it once, or name the two apart"
                 )
             }
+            LimiterError::OldRouteSyntax {
+                rule,
+                route,
+                suggested,
+            } => write!(
+                f,
+                "rule {rule:?}: the route {route:?} is written in axum 0.7's syntax, which axum \
+                 0.8 never matches: write {suggested:?}"
+            ),
             LimiterError::TooManyRules(n) => write!(f, "{n} rules: at most 65535"),
             LimiterError::StoreKeyTooShort { max, longest } => write!(
                 f,

@@ -188,6 +188,16 @@ impl CompiledRule {
                 (sets, Some(Arc::new(tiers.into_resolved(&name, default))))
             }
         };
+        #[cfg(feature = "axum")]
+        if let Route::Template(template) = &rule.route {
+            if let Some(suggested) = super::rule::old_route_syntax(template) {
+                return Err(LimiterError::OldRouteSyntax {
+                    rule: rule.name,
+                    route: template.to_string(),
+                    suggested,
+                });
+            }
+        }
         let methods = super::rule::effective_methods(rule.methods, rule.exact_methods);
         let decisions = |outcome| {
             Counter::new(

@@ -100,6 +100,8 @@ pub(crate) use plan::{
     Applied, Costly, NoKey, Plan, ShadowCheck, ShadowPlan, Single, Start, hashed_key,
 };
 pub(crate) use rule::Matcher;
+#[cfg(feature = "axum")]
+pub(crate) use rule::old_route_syntax;
 pub use rule::{MissingKey, Rule};
 pub use tier::{
     DEFAULT_TIER_CACHE_CAPACITY, DEFAULT_TIER_TIMEOUT, DEFAULT_TIER_TTL, TierAnswer, TierResolver,

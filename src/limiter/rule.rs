@@ -139,7 +139,10 @@ impl Rule {
     /// Only requests that axum routed to this route template (`/users/{id}`), as its
     /// `MatchedPath` says. This needs the layer inside the router (`Router::layer` or
     /// `Router::route_layer`), where axum has matched the route; a rule on a template never
-    /// matches a request without a `MatchedPath`.
+    /// matches a request without a `MatchedPath`. axum 0.7's syntax (`/users/:id`,
+    /// `/files/*rest`), which axum 0.8 never matches, is refused when the limiter is built
+    /// ([`LimiterError::OldRouteSyntax`](super::LimiterError::OldRouteSyntax)), with the
+    /// template in axum 0.8's syntax.
     #[cfg(feature = "axum")]
     #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     pub fn route(mut self, template: impl Into<String>) -> Self {
@@ -368,6 +371,26 @@ impl Route {
     }
 }
 
+/// `template` in axum 0.8's syntax if it is written in axum 0.7's (a segment that starts with
+/// `:` or `*`, which axum 0.8 no longer reads as a parameter): `/users/:id` is
+/// `/users/{id}`, `/files/*rest` is `/files/{*rest}`.
+#[cfg(feature = "axum")]
+pub(crate) fn old_route_syntax(template: &str) -> Option<String> {
+    let old = |s: &str| s.len() > 1 && (s.starts_with(':') || s.starts_with('*'));
+    if !template.split('/').any(old) {
+        return None;
+    }
+    let segments: Vec<String> = template
+        .split('/')
+        .map(|s| match s.strip_prefix(':') {
+            Some(name) if !name.is_empty() => format!("{{{name}}}"),
+            _ if old(s) => format!("{{{s}}}"),
+            _ => s.to_owned(),
+        })
+        .collect();
+    Some(segments.join("/"))
+}
+
 /// What a request costs.
 #[derive(Clone)]
 pub(crate) enum Cost {
@@ -414,5 +437,24 @@ mod tests {
         assert!(!on(&slash, "/api"));
         assert!(on(&Route::Exact(b"/a"[..].into()), "/a?x=1"));
         assert!(!on(&Route::Exact(b"/a"[..].into()), "/a/"));
+    }
+
+    #[cfg(feature = "axum")]
+    #[test]
+    fn axum_07_templates_are_told_apart() {
+        let new = |t: &str| old_route_syntax(t);
+        assert_eq!(new("/users/:id").as_deref(), Some("/users/{id}"));
+        assert_eq!(new("/a/:x/b/*rest").as_deref(), Some("/a/{x}/b/{*rest}"));
+        for fine in [
+            "/users/{id}",
+            "/files/{*rest}",
+            "/a:b",
+            "/a/b:c",
+            "/",
+            "/:",
+            "/*",
+        ] {
+            assert_eq!(new(fine), None, "{fine}");
+        }
     }
 }

@@ -294,7 +294,16 @@ impl<'a> Builder<'a> {
 }
 
 #[cfg(feature = "axum")]
-pub(super) fn route(rule: Rule, template: &str, _: &str, _: &mut Problems) -> Rule {
+pub(super) fn route(rule: Rule, template: &str, path: &str, p: &mut Problems) -> Rule {
+    if let Some(suggested) = crate::limiter::old_route_syntax(template) {
+        p.add(
+            format!("{path}.route"),
+            format!(
+                "{template:?} is axum 0.7's syntax, which axum 0.8 never matches: write \
+                 {suggested:?}"
+            ),
+        );
+    }
     rule.route(template)
 }
 
