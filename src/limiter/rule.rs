@@ -358,6 +358,8 @@ impl Route {
     /// Whether the request (whose path, read once for all rules, is `path`) is on this route.
     #[inline]
     pub(crate) fn matches(&self, parts: &Parts, path: &RequestPath<'_>) -> bool {
+        #[cfg(not(feature = "axum"))]
+        let _ = parts;
         match self {
             Route::Any => true,
             Route::Exact(exact) => path.is(exact),
