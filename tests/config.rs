@@ -1817,3 +1817,158 @@ escaped = "\"{noise}"
         }
     }
 }
+
+// Listed tier keys, written as requests carry them.
+
+mod listed_keys {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The keys of the file and the rule's key; the tiers list `listed` as `pro` (the default
+    /// is `free`, 1 per hour; `pro` 100).
+    fn layer(keys: &str, key: &str, listed: &[&str]) -> tollgate::RateLimitLayer<MemoryStore> {
+        let entries: Vec<String> = listed
+            .iter()
+            .map(|k| format!("\"{k}\" = \"pro\""))
+            .collect();
+        let text = format!(
+            r#"
+{keys}
+[[rules]]
+name = "plan"
+key = "{key}"
+on_missing_key = "skip"
+tiers.keys = {{ {} }}
+tiers.default = "free"
+tiers.plans = [
+  {{ name = "free", policies = [{{ algorithm = "fixed_window", limit = 1, window = "1h", name = "free" }}] }},
+  {{ name = "pro", policies = [{{ algorithm = "fixed_window", limit = 100, window = "1h", name = "pro" }}] }},
+]
+"#,
+            entries.join(", ")
+        );
+        Config::from_toml(&text)
+            .and_then(|c| c.rate_limit_layer(MemoryStore::new(), &Bindings::new()))
+            .unwrap_or_else(|e| panic!("{e}\n{text}"))
+    }
+
+    /// The policy that named a request with these headers (`free` or `pro`).
+    fn tier(layer: &tollgate::RateLimitLayer<MemoryStore>, headers: &[(&str, &str)]) -> String {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let service = ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(tower::service_fn(|_: Request<()>| async {
+                Ok::<_, Infallible>(Response::new(String::new()))
+            }));
+        let mut request = Request::get("/");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let response = runtime
+            .block_on(service.oneshot(request.body(()).unwrap()))
+            .unwrap();
+        let field = response.headers()["ratelimit"].to_str().unwrap();
+        field.split('"').nth(1).unwrap().to_owned()
+    }
+
+    const KEYS: &str = r#"
+[keys.a]
+kind = "header"
+header = "x-a"
+[keys.b]
+kind = "header"
+header = "x-b"
+[keys.c]
+kind = "header"
+header = "x-c"
+[keys.ab]
+kind = "all_of"
+of = ["a", "b"]
+[keys.either]
+kind = "any_of"
+of = ["a", "b"]
+[keys.nested]
+kind = "any_of"
+of = ["c", "ab", "a"]
+"#;
+
+    /// The reported keys: `k%1` was listed, and its holder counted in the default tier.
+    #[test]
+    fn a_listed_key_with_a_percent_sign_matches() {
+        let layer = layer(KEYS, "a", &["k-2", "k%1"]);
+        assert_eq!(tier(&layer, &[("x-a", "k-2")]), "pro");
+        assert_eq!(tier(&layer, &[("x-a", "k%1")]), "pro");
+        assert_eq!(tier(&layer, &[("x-a", "k%251")]), "free");
+        assert_eq!(tier(&layer, &[("x-a", "k-3")]), "free");
+    }
+
+    /// `any_of`: the first key's value as it is, another's as `name=value`; a value listed
+    /// for one key never matches another's (a client cannot claim a listed address's tier by
+    /// sending it as an API key). `all_of`: the values joined by `/`.
+    #[test]
+    fn composite_keys_are_listed_as_their_values() {
+        let either = layer(KEYS, "either", &["k-1", "b=10.0.0.5"]);
+        assert_eq!(tier(&either, &[("x-a", "k-1")]), "pro");
+        assert_eq!(tier(&either, &[("x-b", "10.0.0.5")]), "pro");
+        assert_eq!(tier(&either, &[("x-a", "10.0.0.5")]), "free");
+        assert_eq!(tier(&either, &[("x-b", "k-1")]), "free");
+        let ab = layer(KEYS, "ab", &["acme/4%2"]);
+        assert_eq!(tier(&ab, &[("x-a", "acme"), ("x-b", "4%2")]), "pro");
+        assert_eq!(tier(&ab, &[("x-a", "acme/4"), ("x-b", "%2")]), "free");
+        // A listed key that is none of the key's: a problem, the key not echoed.
+        let text = format!(
+            "{KEYS}\n[[rules]]\nname = \"p\"\nkey = \"ab\"\ntiers.keys = {{ \"secret\" = \"x\" }}\n\
+             tiers.plans = [{{ name = \"x\", policies = [{{ algorithm = \"gcra\", rate = \"1/s\" }}] }}]\n"
+        );
+        let errors = Config::from_toml(&text)
+            .and_then(|c| {
+                c.rate_limit_layer(MemoryStore::new(), &Bindings::new())
+                    .map(|_| c)
+            })
+            .unwrap_err();
+        assert_eq!(errors.paths(), ["rules[0].tiers.keys"], "{errors}");
+        assert!(!errors.to_string().contains("secret"), "{errors}");
+    }
+
+    fn value() -> impl Strategy<Value = String> {
+        "[a-z0-9%/=|.]{1,8}"
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// A key listed as the request carries it puts that request in its tier, whatever the
+        /// bytes of the values (`%`, `/`, `=`, `|`) and the key's shape, nested ones included;
+        /// the same values in another branch do not.
+        #[test]
+        fn listed_as_carried_is_matched(a in value(), b in value(), c in value()) {
+            // (rule key, listed, headers of the holder); a first branch's value with a `=`
+            // is written with its key's name.
+            let first = |name: &str, v: &str| {
+                if v.contains('=') { format!("{name}={v}") } else { v.to_owned() }
+            };
+            type Case<'a> = (&'a str, String, Vec<(&'a str, &'a str)>);
+            let mut cases: Vec<Case<'_>> = vec![
+                ("a", a.clone(), vec![("x-a", &a)]),
+                ("either", first("a", &a), vec![("x-a", &a)]),
+                ("either", format!("b={b}"), vec![("x-b", &b)]),
+                ("nested", first("c", &c), vec![("x-c", &c)]),
+                ("nested", format!("a={a}"), vec![("x-a", &a)]),
+            ];
+            if !a.contains('/') {
+                cases.push(("ab", format!("{a}/{b}"), vec![("x-a", &a), ("x-b", &b)]));
+                cases.push(("nested", format!("ab={a}/{b}"), vec![("x-a", &a), ("x-b", &b)]));
+            }
+            for (key, listed, headers) in cases {
+                let layer = layer(KEYS, key, &[listed.as_str()]);
+                prop_assert_eq!(tier(&layer, &headers), "pro", "{} listed {:?}", key, listed);
+            }
+            // The first key's value, sent as the other's, is another key.
+            let either = layer(KEYS, "either", &[first("a", &a).as_str()]);
+            prop_assert_eq!(tier(&either, &[("x-b", a.as_str())]), "free");
+        }
+    }
+}

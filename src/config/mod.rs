@@ -115,7 +115,7 @@
 //! on_missing_key = 401
 //! [rules.tiers]                     # policies by the key's tier, instead of `policies`
 //! resolver = "plans"                # registered in code: Bindings::resolver
-//! keys = { "k-internal" = "pro" }   # or listed here (asked first)
+//! keys = { "k-internal" = "pro" }   # or listed here, as requests carry them (asked first)
 //! default = "free"                  # for keys placed nowhere (the first plan unless set)
 //! cache_for = "5m"                  # how long an answer is remembered
 //! cache_capacity = 100000           # how many keys' answers
