@@ -104,9 +104,11 @@
 //! | sliding log | until the log has fully recovered (at most the window; its oldest entry may leave sooner, so a client waits a little more than it must, never less) | `r=2;t=30`, then `r=1;t=30` |
 //! | sliding window counter | until the current window ends (never more than the window); with nothing left (`r=0`), a nanosecond more, rounded up: at the window's end the current window's count still weighs whole | `r=2;t=30`, then `r=1;t=26` |
 //!
-//! Whatever the algorithm, a client that waits `t` after a response that leaves nothing
-//! (`r=0`) is admitted (a test generates traces to hold it so). On a refusal, `t` is the time
-//! until this request may be retried, the same number as
+//! Whatever the algorithm, a client that waits `t` after a response of one policy that
+//! leaves nothing (`r=0`) is admitted by it (a test generates traces to hold it so). With
+//! several policies all used up, the field names the one that recovers fully last, whose `t`
+//! may come before another's quota is back (the stores pick without the algorithms at hand).
+//! On a refusal, `t` is the time until this request may be retried, the same number as
 //! `Retry-After` (the draft asks that `Retry-After` never point before `t`). The legacy
 //! `X-RateLimit-Reset` keeps its usual meaning, the time until the policy has fully recovered
 //! (on a refusal, until the retry); the exact figure is [`Decision::reset_after`](crate::Decision::reset_after).
