@@ -82,8 +82,8 @@ impl<'a> RequestPath<'a> {
     #[inline]
     fn any(&self, rule: &[u8], test: impl Fn(&[u8]) -> bool) -> bool {
         let raw = self.raw();
-        // A path that matches as it is matches decoded too: the rule has no escape, no `//`
-        // and no dot segment, so neither has the part of the path it matches.
+        // A path that matches as it is is counted, whatever its other readings (an
+        // ambiguous spelling is counted): nothing to decode then.
         if test(raw.as_bytes()) {
             return true;
         }
