@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use apps::{governor, governor_with_headers, hello, limited, static_fields};
+use apps::{governor, governor_with_headers, hello, limited, limited_path, static_fields};
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use criterion::{Criterion, criterion_group};
@@ -40,8 +40,8 @@ const PEER6: SocketAddr = SocketAddr::new(
     51000,
 );
 
-fn request(peer: SocketAddr) -> Request<Body> {
-    let mut request = Request::get("/").body(Body::empty()).unwrap_or_default();
+fn request(peer: SocketAddr, path: &'static str) -> Request<Body> {
+    let mut request = Request::get(path).body(Body::empty()).unwrap_or_default();
     request.extensions_mut().insert(ConnectInfo(peer));
     request
 }
@@ -67,8 +67,8 @@ trait App: Send + Sync {
     fn status(&self, runtime: &tokio::runtime::Runtime) -> Option<StatusCode>;
 }
 
-/// A service and the peer its requests come from.
-struct Svc<S>(S, SocketAddr);
+/// A service, the peer its requests come from, and the path they ask for.
+struct Svc<S>(S, SocketAddr, &'static str);
 
 impl<S, B> App for Svc<S>
 where
@@ -95,7 +95,7 @@ where
             #[allow(clippy::disallowed_methods)]
             let start = Instant::now();
             for _ in 0..n {
-                let response = self.0.clone().oneshot(request(peer)).await;
+                let response = self.0.clone().oneshot(request(peer, self.2)).await;
                 let _ = std::hint::black_box(response.map(|r| r.status()));
             }
             start.elapsed()
@@ -104,7 +104,7 @@ where
 
     fn status(&self, runtime: &tokio::runtime::Runtime) -> Option<StatusCode> {
         runtime
-            .block_on(self.0.clone().oneshot(request(self.1)))
+            .block_on(self.0.clone().oneshot(request(self.1, self.2)))
             .ok()
             .map(|r| r.status())
     }
@@ -118,7 +118,7 @@ where
         + Sync
         + 'static,
 {
-    Box::new(Svc(service, PEER))
+    Box::new(Svc(service, PEER, "/"))
 }
 
 /// Makes one app.
@@ -160,7 +160,7 @@ fn makers() -> Vec<(&'static str, Maker)> {
                 .service(hello().into_service::<Body>()))
         }),
         ("tollgate around, IPv6 peer", || {
-            Box::new(Svc(around(limited(HeaderProfile::Ietf, false)), PEER6))
+            Box::new(Svc(around(limited(HeaderProfile::Ietf, false)), PEER6, "/"))
         }),
         ("tollgate around, no fields", || {
             app(around(limited(HeaderProfile::Off, false)))
@@ -189,6 +189,27 @@ fn makers() -> Vec<(&'static str, Maker)> {
                     r
                 },
             )))
+        }),
+        // A path rule (`path_prefix("/api")`) in front of the trivial service, asked for a
+        // plain path (no escape, no dot segment: matched as it is) and for the same path
+        // spelled with escapes (decoded and normalised first).
+        ("trivial + tollgate, path rule", || {
+            Box::new(Svc(
+                ServiceBuilder::new()
+                    .layer(limited_path("/api"))
+                    .service(trivial()),
+                PEER,
+                "/api/v1/users/42/export",
+            ))
+        }),
+        ("trivial + tollgate, escaped path", || {
+            Box::new(Svc(
+                ServiceBuilder::new()
+                    .layer(limited_path("/api"))
+                    .service(trivial()),
+                PEER,
+                "/%61pi/v1/users/%34%32/export",
+            ))
         }),
     ]
 }

@@ -280,6 +280,77 @@ shares = { urgent = 0.5 }
     );
 }
 
+/// The same policy twice in a rule, or in a tier, is refused with its path (before the fix
+/// the file was accepted, and every request counted twice against it). The same numbers under
+/// two names, or in two tiers, are two policies.
+#[test]
+fn a_policy_listed_twice_is_refused_with_its_path() {
+    let text = r#"
+[[rules]]
+name = "dup"
+policies = [
+  { algorithm = "fixed_window", limit = 10, window = "1m" },
+  { algorithm = "gcra", rate = "1/s" },
+  { algorithm = "fixed_window", limit = 10, window = "60s" },
+]
+
+[[rules]]
+name = "named"
+policies = [
+  { algorithm = "fixed_window", limit = 10, window = "1m" },
+  { algorithm = "fixed_window", limit = 10, window = "1m", name = "again" },
+]
+
+[[rules]]
+name = "tiers"
+tiers.keys = { k = "pro" }
+tiers.plans = [
+  { name = "free", policies = [{ algorithm = "gcra", rate = "1/s" }] },
+  { name = "pro", policies = [{ algorithm = "gcra", rate = "1/s" }, { algorithm = "gcra", rate = "1/s" }] },
+]
+"#;
+    let errors = Config::from_toml(text).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        [
+            "rules[0].policies[2]",
+            "rules[2].tiers.plans[1].policies[1]"
+        ],
+        "{errors}"
+    );
+    assert!(
+        errors
+            .to_string()
+            .contains("the same policy as rules[0].policies[0]"),
+        "{errors}"
+    );
+}
+
+/// A route in axum 0.7's syntax, which axum 0.8 never matches, is refused with the template
+/// in 0.8's syntax, in rate-limit and concurrency rules alike (before the fix it was accepted
+/// and never matched).
+#[test]
+fn an_axum_07_route_is_refused_with_a_hint() {
+    let text = r#"
+[[rules]]
+name = "user"
+route = "/users/:id"
+policies = [{ algorithm = "gcra", rate = "1/s" }]
+
+[concurrency]
+rules = [{ name = "files", route = "/files/*rest", max_in_flight = 2 }]
+"#;
+    let errors = Config::from_toml(text).unwrap_err();
+    assert_eq!(
+        errors.paths(),
+        ["rules[0].route", "concurrency.rules[0].route"],
+        "{errors}"
+    );
+    let text = errors.to_string();
+    assert!(text.contains(r#"write "/users/{id}""#), "{text}");
+    assert!(text.contains(r#"write "/files/{*rest}""#), "{text}");
+}
+
 /// Unknown fields and values of the wrong type are all reported, not only the first.
 #[test]
 fn unknown_fields_and_types_are_all_reported() {
@@ -1544,4 +1615,360 @@ async fn reload_from_a_file() {
         missing.to_string().contains("tollgate-reload-"),
         "{missing}"
     );
+}
+
+// Deep nesting: refused before anything recurses on it, never a crash.
+
+mod nesting {
+    use super::*;
+    use proptest::prelude::*;
+    use tollgate::config::{MAX_FILE_LEN, MAX_NESTING};
+
+    /// `Config::from_toml` on a thread with a 2 MiB stack (tokio's workers' default): a
+    /// stack overflow ends the whole process, which fails the suite.
+    fn read_on_a_small_stack(text: String) -> Result<Config, tollgate::config::ConfigErrors> {
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || Config::from_toml(&text))
+            .unwrap()
+            .join()
+            .expect("no panic")
+    }
+
+    fn too_deep(result: &Result<Config, tollgate::config::ConfigErrors>) -> bool {
+        result
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("nests more than"))
+    }
+
+    /// Inline tables each holding a dotted key of `parts` parts, `depth` of them, then `1`.
+    fn inline_tables(depth: usize, parts: usize) -> String {
+        let key = vec!["b"; parts].join(".");
+        let mut text = String::from("a = ");
+        for _ in 0..depth {
+            text.push_str(&format!("{{ {key} = "));
+        }
+        text.push('1');
+        text.push_str(&" }".repeat(depth));
+        text.push('\n');
+        text
+    }
+
+    /// The reported text (80 inline tables each holding a 79-part dotted key: 6,241 tables in
+    /// 43 KB, which toml's separate bounds on each let through), and the deepest texts of each
+    /// kind that fit the size limit: refused with an error that says why, on a 2 MiB stack.
+    #[test]
+    fn the_deepest_texts_are_refused_not_a_crash() {
+        let reported = inline_tables(80, 79);
+        assert!(reported.len() < 50_000);
+        let fill = |unit: &str, around: usize| unit.repeat((MAX_FILE_LEN - around) / unit.len());
+        let texts = [
+            ("reported", reported),
+            // Inline tables, with one-part and two-part keys, as deep as 1 MiB goes.
+            ("inline tables", inline_tables((MAX_FILE_LEN - 16) / 10, 1)),
+            (
+                "inline tables, dotted",
+                inline_tables((MAX_FILE_LEN - 16) / 12, 2),
+            ),
+            ("arrays", format!("a = {}", fill("[", 8))),
+            ("dotted key", format!("{}a = 1", fill("a.", 8))),
+            ("header", format!("[{}a]", fill("a.", 8))),
+            ("array of tables", format!("[[{}a]]", fill("a.", 8))),
+            ("mixed", format!("a = {}", fill("{ b.c = [", 16))),
+        ];
+        for (kind, text) in texts {
+            assert!(text.len() <= MAX_FILE_LEN, "{kind}: {} bytes", text.len());
+            let result = read_on_a_small_stack(text);
+            assert!(too_deep(&result), "{kind}: {result:?}");
+            let error = result.unwrap_err().to_string();
+            assert!(error.contains(&MAX_NESTING.to_string()), "{kind}: {error}");
+            assert!(error.starts_with("line 1:"), "{kind}: {error}");
+        }
+    }
+
+    /// The deepest texts that are let through are parsed, cloned, read and dropped on a 2 MiB
+    /// stack (in debug, where each level costs most).
+    #[test]
+    fn the_deepest_texts_let_through_are_read_on_a_small_stack() {
+        let texts = [
+            format!(
+                "a = {}1{}",
+                "[".repeat(MAX_NESTING),
+                "]".repeat(MAX_NESTING)
+            ),
+            format!("{}a = 1", "a.".repeat(MAX_NESTING)),
+            inline_tables(MAX_NESTING, 1),
+            inline_tables(MAX_NESTING / 4, 4),
+            format!("[{}a]\nb = 1", "a.".repeat(MAX_NESTING / 2 - 1)),
+        ];
+        for text in texts {
+            let result = read_on_a_small_stack(text.clone());
+            assert!(!too_deep(&result), "{text}: {result:?}");
+            // Not a configuration, but read: the first unknown field is reported.
+            assert!(result.is_err_and(|e| e.to_string().contains("unknown field")));
+        }
+        // One level more is refused.
+        let deeper = format!("{}a = 1", "a.".repeat(MAX_NESTING + 1));
+        assert!(too_deep(&read_on_a_small_stack(deeper)));
+    }
+
+    /// Strings and comments are not nesting: brackets, braces and dots in them count for
+    /// nothing, in every kind of string.
+    #[test]
+    fn strings_and_comments_do_not_nest() {
+        let noise = "[{.[{.".repeat(MAX_NESTING);
+        let text = format!(
+            r#"
+# {noise}
+[[rules]] # {noise}
+name = "x{noise}"
+"quoted.{noise}".'also.{noise}' = 1
+literal = '{noise}'
+multi = """
+{noise} \""" {noise}
+"""
+multi_literal = '''
+{noise}
+'''
+escaped = "\"{noise}"
+"#
+        );
+        let result = read_on_a_small_stack(text);
+        assert!(!too_deep(&result), "{result:?}");
+    }
+
+    /// One generated level of nesting: an inline table holding a dotted key of `parts` parts
+    /// (`parts` levels), or an array (one level).
+    #[derive(Clone, Debug)]
+    enum Level {
+        Table(usize),
+        Array,
+    }
+
+    /// Noise that nests nothing: whitespace, a comment at a line's end (inside arrays, where
+    /// lines may break), strings full of brackets.
+    fn noise() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec!["", " ", "\n", " # [{.[{ \n", "\t"])
+    }
+
+    /// A text whose nesting is known: a header of `h` parts (`[[..]]` or `[..]`; its parts
+    /// count twice, as each may be an array of tables and its element), a key of `k` parts,
+    /// and nested levels; and that nesting.
+    fn text() -> impl Strategy<Value = (String, usize)> {
+        (
+            0usize..4,
+            any::<bool>(),
+            1usize..6,
+            prop::collection::vec(
+                prop_oneof![(1usize..6).prop_map(Level::Table), Just(Level::Array)],
+                0..(MAX_NESTING + 8),
+            ),
+            noise(),
+        )
+            .prop_map(|(h, array, k, levels, noise)| {
+                let mut text = String::new();
+                let mut depth = 0;
+                if h > 0 {
+                    let parts = vec!["\"h.[{\""; h].join(".");
+                    text.push_str(&if array {
+                        format!("[[{parts}]] # [{{\n")
+                    } else {
+                        format!("[{parts}]\n")
+                    });
+                    depth += 2 * h;
+                }
+                text.push_str(&vec!["k"; k].join("."));
+                text.push_str(" = ");
+                depth += k - 1;
+                let mut closing = Vec::new();
+                for level in &levels {
+                    match level {
+                        Level::Table(parts) => {
+                            let key = vec!["'t.]'"; *parts].join(" . ");
+                            text.push_str(&format!("{{ s = \"}}]\", {key} = "));
+                            closing.push(" }");
+                            depth += parts;
+                        }
+                        Level::Array => {
+                            text.push_str(&format!("[\"]}}\",{noise}"));
+                            closing.push("]");
+                            depth += 1;
+                        }
+                    }
+                }
+                text.push('1');
+                while let Some(close) = closing.pop() {
+                    text.push_str(close);
+                }
+                text.push('\n');
+                (text, depth)
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// A text nesting deeper than the bound is refused as such; one within it never is;
+        /// neither ever ends the process.
+        #[test]
+        fn nesting_is_counted_as_the_docs_say((text, depth) in text()) {
+            let result = read_on_a_small_stack(text.clone());
+            prop_assert_eq!(too_deep(&result), depth > MAX_NESTING, "depth {}: {}", depth, text);
+        }
+    }
+}
+
+// Listed tier keys, written as requests carry them.
+
+mod listed_keys {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The keys of the file and the rule's key; the tiers list `listed` as `pro` (the default
+    /// is `free`, 1 per hour; `pro` 100).
+    fn layer(keys: &str, key: &str, listed: &[&str]) -> tollgate::RateLimitLayer<MemoryStore> {
+        let entries: Vec<String> = listed
+            .iter()
+            .map(|k| format!("\"{k}\" = \"pro\""))
+            .collect();
+        let text = format!(
+            r#"
+{keys}
+[[rules]]
+name = "plan"
+key = "{key}"
+on_missing_key = "skip"
+tiers.keys = {{ {} }}
+tiers.default = "free"
+tiers.plans = [
+  {{ name = "free", policies = [{{ algorithm = "fixed_window", limit = 1, window = "1h", name = "free" }}] }},
+  {{ name = "pro", policies = [{{ algorithm = "fixed_window", limit = 100, window = "1h", name = "pro" }}] }},
+]
+"#,
+            entries.join(", ")
+        );
+        Config::from_toml(&text)
+            .and_then(|c| c.rate_limit_layer(MemoryStore::new(), &Bindings::new()))
+            .unwrap_or_else(|e| panic!("{e}\n{text}"))
+    }
+
+    /// The policy that named a request with these headers (`free` or `pro`).
+    fn tier(layer: &tollgate::RateLimitLayer<MemoryStore>, headers: &[(&str, &str)]) -> String {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let service = ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(tower::service_fn(|_: Request<()>| async {
+                Ok::<_, Infallible>(Response::new(String::new()))
+            }));
+        let mut request = Request::get("/");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let response = runtime
+            .block_on(service.oneshot(request.body(()).unwrap()))
+            .unwrap();
+        let field = response.headers()["ratelimit"].to_str().unwrap();
+        field.split('"').nth(1).unwrap().to_owned()
+    }
+
+    const KEYS: &str = r#"
+[keys.a]
+kind = "header"
+header = "x-a"
+[keys.b]
+kind = "header"
+header = "x-b"
+[keys.c]
+kind = "header"
+header = "x-c"
+[keys.ab]
+kind = "all_of"
+of = ["a", "b"]
+[keys.either]
+kind = "any_of"
+of = ["a", "b"]
+[keys.nested]
+kind = "any_of"
+of = ["c", "ab", "a"]
+"#;
+
+    /// The reported keys: `k%1` was listed, and its holder counted in the default tier.
+    #[test]
+    fn a_listed_key_with_a_percent_sign_matches() {
+        let layer = layer(KEYS, "a", &["k-2", "k%1"]);
+        assert_eq!(tier(&layer, &[("x-a", "k-2")]), "pro");
+        assert_eq!(tier(&layer, &[("x-a", "k%1")]), "pro");
+        assert_eq!(tier(&layer, &[("x-a", "k%251")]), "free");
+        assert_eq!(tier(&layer, &[("x-a", "k-3")]), "free");
+    }
+
+    /// `any_of`: the first key's value as it is, another's as `name=value`; a value listed
+    /// for one key never matches another's (a client cannot claim a listed address's tier by
+    /// sending it as an API key). `all_of`: the values joined by `/`.
+    #[test]
+    fn composite_keys_are_listed_as_their_values() {
+        let either = layer(KEYS, "either", &["k-1", "b=10.0.0.5"]);
+        assert_eq!(tier(&either, &[("x-a", "k-1")]), "pro");
+        assert_eq!(tier(&either, &[("x-b", "10.0.0.5")]), "pro");
+        assert_eq!(tier(&either, &[("x-a", "10.0.0.5")]), "free");
+        assert_eq!(tier(&either, &[("x-b", "k-1")]), "free");
+        let ab = layer(KEYS, "ab", &["acme/4%2"]);
+        assert_eq!(tier(&ab, &[("x-a", "acme"), ("x-b", "4%2")]), "pro");
+        assert_eq!(tier(&ab, &[("x-a", "acme/4"), ("x-b", "%2")]), "free");
+        // A listed key that is none of the key's: a problem, the key not echoed.
+        let text = format!(
+            "{KEYS}\n[[rules]]\nname = \"p\"\nkey = \"ab\"\ntiers.keys = {{ \"secret\" = \"x\" }}\n\
+             tiers.plans = [{{ name = \"x\", policies = [{{ algorithm = \"gcra\", rate = \"1/s\" }}] }}]\n"
+        );
+        let errors = Config::from_toml(&text)
+            .and_then(|c| {
+                c.rate_limit_layer(MemoryStore::new(), &Bindings::new())
+                    .map(|_| c)
+            })
+            .unwrap_err();
+        assert_eq!(errors.paths(), ["rules[0].tiers.keys"], "{errors}");
+        assert!(!errors.to_string().contains("secret"), "{errors}");
+    }
+
+    fn value() -> impl Strategy<Value = String> {
+        "[a-z0-9%/=|.]{1,8}"
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// A key listed as the request carries it puts that request in its tier, whatever the
+        /// bytes of the values (`%`, `/`, `=`, `|`) and the key's shape, nested ones included;
+        /// the same values in another branch do not.
+        #[test]
+        fn listed_as_carried_is_matched(a in value(), b in value(), c in value()) {
+            // (rule key, listed, headers of the holder); a first branch's value with a `=`
+            // is written with its key's name.
+            let first = |name: &str, v: &str| {
+                if v.contains('=') { format!("{name}={v}") } else { v.to_owned() }
+            };
+            type Case<'a> = (&'a str, String, Vec<(&'a str, &'a str)>);
+            let mut cases: Vec<Case<'_>> = vec![
+                ("a", a.clone(), vec![("x-a", &a)]),
+                ("either", first("a", &a), vec![("x-a", &a)]),
+                ("either", format!("b={b}"), vec![("x-b", &b)]),
+                ("nested", first("c", &c), vec![("x-c", &c)]),
+                ("nested", format!("a={a}"), vec![("x-a", &a)]),
+            ];
+            if !a.contains('/') {
+                cases.push(("ab", format!("{a}/{b}"), vec![("x-a", &a), ("x-b", &b)]));
+                cases.push(("nested", format!("ab={a}/{b}"), vec![("x-a", &a), ("x-b", &b)]));
+            }
+            for (key, listed, headers) in cases {
+                let layer = layer(KEYS, key, &[listed.as_str()]);
+                prop_assert_eq!(tier(&layer, &headers), "pro", "{} listed {:?}", key, listed);
+            }
+            // The first key's value, sent as the other's, is another key.
+            let either = layer(KEYS, "either", &[first("a", &a).as_str()]);
+            prop_assert_eq!(tier(&either, &[("x-b", a.as_str())]), "free");
+        }
+    }
 }

@@ -473,3 +473,88 @@ async fn t_says_when_more_quota_comes_on_redis() {
         .unwrap();
     t_says_when_more_quota_comes(store, clock).await;
 }
+
+// `t` against the retry it promises, generated.
+
+mod promises {
+    use std::convert::Infallible;
+
+    use http::Request;
+    use proptest::prelude::*;
+    use tower::{ServiceBuilder, ServiceExt};
+
+    use super::support::sf_list;
+    use super::*;
+
+    fn policy(algorithm: usize, limit: u64, secs: u64) -> Policy {
+        let span = Duration::from_secs(secs);
+        match algorithm {
+            0 => Policy::gcra(Rate::new(1, span), limit),
+            1 => Policy::token_bucket(Rate::new(1, span), limit),
+            2 => Policy::leaky_bucket(Rate::new(1, span), limit),
+            3 => Policy::fixed_window(limit, span),
+            4 => Policy::sliding_log(limit, span),
+            _ => Policy::sliding_window(limit, span),
+        }
+        .unwrap()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// Whenever a response leaves nothing (`r=0`) or refuses, a client that waits the `t`
+        /// it says (on a refusal, also `Retry-After`) and asks again is admitted, for every
+        /// algorithm: `t` never sends a client back too early. (Before the fix, the sliding
+        /// window said `t` = the current window's end, when the previous window still weighs.)
+        #[test]
+        fn waiting_t_after_r_0_or_a_refusal_is_enough(
+            algorithm in 0usize..6,
+            limit in 1u64..6,
+            secs in 1u64..20,
+            // Half seconds: requests land on whole seconds, where a rounded `t` is exact.
+            start in 0u64..60,
+            gaps in prop::collection::vec(0u64..30, 1..40),
+        ) {
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let clock = ManualClock::new();
+            clock.advance(Duration::from_secs(start));
+            let layer = RateLimitLayer::builder(tollgate::MemoryStore::with_clock(clock.clone()))
+                .rule(Rule::new("p").policy(policy(algorithm, limit, secs)))
+                .build()
+                .unwrap();
+            let service = ServiceBuilder::new().layer(layer).service(tower::service_fn(
+                |_: Request<()>| async { Ok::<_, Infallible>(Response::new(String::new())) },
+            ));
+            // (status, r, t, Retry-After)
+            let send = || {
+                let response = runtime
+                    .block_on(service.clone().oneshot(Request::new(())))
+                    .unwrap();
+                let field = response.headers()["ratelimit"].to_str().unwrap().to_owned();
+                let (_, params) = sf_list(&field).remove(0);
+                let retry_after = response
+                    .headers()
+                    .get("retry-after")
+                    .map(|v| v.to_str().unwrap().parse::<i64>().unwrap());
+                (response.status(), params["r"], params["t"], retry_after)
+            };
+            for gap in gaps {
+                clock.advance(Duration::from_millis(500 * gap));
+                let (status, r, t, retry_after) = send();
+                if status == StatusCode::OK && r > 0 {
+                    continue;
+                }
+                if status != StatusCode::OK {
+                    prop_assert_eq!(Some(t), retry_after, "t is Retry-After");
+                }
+                clock.advance(Duration::from_secs(t as u64));
+                let (again, ..) = send();
+                prop_assert_eq!(
+                    again,
+                    StatusCode::OK,
+                    "{:?} said r={};t={} ({})", policy(algorithm, limit, secs), r, t, status
+                );
+            }
+        }
+    }
+}

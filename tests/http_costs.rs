@@ -108,12 +108,116 @@ async fn costs_from_a_closure_over_the_request() {
     let c = client.get_with("/", &[("x-items", "70")]).await;
     assert_eq!(c.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(c.ratelimit().1, 69);
-    // A cost above the limit is counted as the whole limit, not refused forever: it waits for
-    // a fresh window.
+    // A cost above the limit can never be admitted: refused as over the limit, with no time to
+    // come back at (no `Retry-After`, no `RateLimit`; the quotas are listed), and it consumes
+    // nothing.
     let huge = client.get_with("/", &[("x-items", "100000")]).await;
     assert_eq!(huge.status, StatusCode::TOO_MANY_REQUESTS);
-    assert_eq!(huge.retry_after(), Some(60));
+    assert_eq!(huge.retry_after(), None);
+    assert!(huge.header("ratelimit").is_none());
+    assert_eq!(huge.policies()["units"], (100, 60));
+    let body = huge.json();
+    assert_eq!(body["violated-policies"][0], "units");
+    assert!(
+        body["detail"]
+            .as_str()
+            .unwrap()
+            .contains("never be admitted")
+    );
+    assert!(body.get("retry-after").is_none());
     let d = client.get_with("/", &[("x-items", "69")]).await;
     assert_eq!(d.status, StatusCode::OK);
     assert_eq!(d.ratelimit().1, 0);
+}
+
+/// The same policy twice in one rule: one state in the store, counted twice per request. It
+/// is refused when the layer is built (before the fix the layer was built, admitted 5 of a
+/// limit of 10 at cost 1, and answered 503 to every request at cost 6: the store merged the
+/// two checks into one above the limit).
+#[tokio::test]
+async fn a_policy_listed_twice_is_refused_at_build() {
+    use tollgate::limiter::LimiterError;
+    let policy = Policy::fixed_window(10, Duration::from_secs(60)).unwrap();
+    for (cost, tiers) in [(1, false), (6, false), (1, true)] {
+        let mut rule = Rule::new("dup").cost(cost);
+        rule = if tiers {
+            rule.tiers(
+                tollgate::limiter::Tiers::new(|_: String| async { None })
+                    .tier("free", [policy.clone(), policy.clone()]),
+            )
+        } else {
+            rule.policies([policy.clone(), policy.clone()])
+        };
+        let error = RateLimitLayer::builder(store().0)
+            .rule(rule)
+            .build()
+            .expect_err("refused");
+        assert!(
+            matches!(
+                error,
+                LimiterError::DuplicatePolicy {
+                    first: 0,
+                    again: 1,
+                    ..
+                }
+            ),
+            "{error}"
+        );
+    }
+}
+
+/// A store that finds a cost it can never admit answers with an error; the layer answers it
+/// as the refusal it is (429, no Retry-After), never as a failure: a 503, which a fail-open
+/// policy turns into an admission. Through `ResilientStore` failing open too.
+#[tokio::test]
+async fn a_cost_a_store_can_never_admit_is_a_refusal_not_a_503() {
+    use tollgate::store::{FailurePolicy, ResilientStore};
+    use tollgate::{Check, Decision, Store, StoreError};
+
+    /// A store whose every check costs more than its policy's limit, as it says.
+    #[derive(Clone)]
+    struct OverLimit;
+
+    impl Store for OverLimit {
+        type Future = std::future::Ready<Result<Decision, StoreError>>;
+
+        fn check_all(&self, checks: &[Check<'_>]) -> Self::Future {
+            let last = checks.len() - 1;
+            std::future::ready(Err(StoreError::CostExceedsLimit {
+                index: last,
+                cost: 7,
+                limit: checks[last].policy().limit(),
+            }))
+        }
+    }
+
+    let policy = |limit| Policy::fixed_window(limit, Duration::from_secs(60)).unwrap();
+    let rules = || {
+        [
+            Rule::new("one").key(PeerIp::new()).policy(policy(5)),
+            Rule::new("two")
+                .key(PeerIp::new())
+                .policies([policy(5), policy(6)]),
+        ]
+    };
+    for rule in rules() {
+        let name = rule.name().to_owned();
+        let plain = RateLimitLayer::builder(OverLimit)
+            .rule(rule)
+            .build()
+            .unwrap();
+        let client = ok_client(plain).await;
+        let answer = client.get("/").await;
+        assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS, "{name}");
+        assert_eq!(answer.retry_after(), None, "{name}");
+        assert!(answer.text().contains("never be admitted"), "{name}");
+    }
+    for rule in rules() {
+        let open = ResilientStore::builder(OverLimit)
+            .failure_policy(FailurePolicy::Open)
+            .build();
+        let layer = RateLimitLayer::builder(open).rule(rule).build().unwrap();
+        let answer = ok_client(layer).await.get("/").await;
+        assert_eq!(answer.status, StatusCode::TOO_MANY_REQUESTS);
+    }
 }

@@ -339,15 +339,19 @@ async fn costs_of_zero_and_max<St: Store>(store: St) {
         (StatusCode::TOO_MANY_REQUESTS, 0)
     );
 
-    // u64::MAX counts as the policy's whole limit: admitted on a fresh quota, taking all of
-    // it; refused with a finite Retry-After on a quota already touched. No overflow.
-    assert_eq!(admitted(&app, 2, "192.0.2.2:1", &max).await, 1);
-    assert_eq!(admitted(&app, 1, "192.0.2.2:1", &[]).await, 0);
-    assert_eq!(admitted(&app, 1, "192.0.2.3:1", &[]).await, 1);
-    let (status, body) = send(&app, "192.0.2.3:1", &max).await;
-    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
-    // The refused u64::MAX took nothing: four of 192.0.2.3's five are left, and the next
-    // request says 3 remain.
+    // u64::MAX can never be admitted: refused as over the limit, on a fresh quota as on one
+    // already touched, with no Retry-After (no wait would do), taking nothing. No overflow.
+    for peer in ["192.0.2.2:1", "192.0.2.3:1"] {
+        if peer == "192.0.2.3:1" {
+            assert_eq!(admitted(&app, 1, peer, &[]).await, 1);
+        }
+        let (status, headers, body) = send_full(&app, peer, &max).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+        assert!(headers.get("retry-after").is_none(), "{body}");
+        assert!(body.contains("never be admitted"), "{body}");
+    }
+    // The refused u64::MAX took nothing: 192.0.2.2 has its five, 192.0.2.3 four.
+    assert_eq!(admitted(&app, 6, "192.0.2.2:1", &[]).await, 5);
     let (status, headers, _) = send_full(&app, "192.0.2.3:1", &[]).await;
     assert_eq!((status, remaining(&headers)), (StatusCode::OK, 3));
     assert_eq!(admitted(&app, 4, "192.0.2.3:1", &[]).await, 3);

@@ -173,3 +173,29 @@ async fn around_the_router() {
     assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(refused.retry_after(), Some(60));
 }
+
+/// A template in axum 0.7's syntax never matches under axum 0.8: refused when the layer is
+/// built, with the template in 0.8's syntax (before the fix the layer was built, and the rule
+/// never counted anything).
+#[test]
+fn an_axum_07_template_is_refused_with_a_hint() {
+    use tollgate::limiter::LimiterError;
+    for (old, new) in [
+        ("/users/:id", "/users/{id}"),
+        ("/files/*rest", "/files/{*rest}"),
+    ] {
+        let error = RateLimitLayer::builder(store().0)
+            .rule(Rule::new("old").route(old).policy(window(1)))
+            .build()
+            .expect_err("refused");
+        assert_eq!(
+            error,
+            LimiterError::OldRouteSyntax {
+                rule: "old".into(),
+                route: old.into(),
+                suggested: new.into()
+            }
+        );
+        assert!(error.to_string().contains(&format!("{new:?}")), "{error}");
+    }
+}

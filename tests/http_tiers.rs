@@ -291,3 +291,116 @@ async fn when_the_request_looking_up_goes_away_one_waiting_takes_over() {
     }
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
+
+/// A shadow rule's tier lookup never holds a request up: the enforced rules decide first, a
+/// refused request asks no resolver at all, and an admitted one goes on while the shadow
+/// rule's tier is looked up on a task of its own (one lookup per key at a time), the rule
+/// skipping the key until its tier is known. Before the fix, with the shadow resolver hung,
+/// every request waited the full second, refused ones too, each asking again (reported:
+/// statuses [200, 429, 429], waits [1 s, 1 s, 1 s], 3 calls; here each request waited 1 s).
+#[tokio::test(start_paused = true)]
+async fn a_shadow_rules_lookup_never_holds_a_request() {
+    use tollgate::limiter::ShadowRejection;
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let hung = {
+        let calls = calls.clone();
+        move |_: String| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<Option<String>>()
+        }
+    };
+    let layer = RateLimitLayer::builder(MemoryStore::with_clock(TokioClock::new()))
+        .rule(
+            Rule::new("per-key")
+                .key(Header::from_static("x-api-key"))
+                .policy(Policy::fixed_window(2, HOUR).unwrap()),
+        )
+        .rule(
+            Rule::new("next-plan")
+                .key(Header::from_static("x-api-key"))
+                .tiers(plans("next-", hung))
+                .shadow(),
+        )
+        .build()
+        .unwrap();
+    let service = ServiceBuilder::new()
+        .layer(layer)
+        .service(tower::service_fn(|_: Request<String>| async {
+            Ok::<_, Infallible>(Response::new(String::from("ok")))
+        }));
+    let request = |key: &'static str| {
+        Request::get("/")
+            .header("x-api-key", key)
+            .body(String::new())
+            .unwrap()
+    };
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let start = tokio::time::Instant::now();
+        let response = service.clone().oneshot(request("k-1")).await.unwrap();
+        assert_eq!(
+            start.elapsed(),
+            Duration::ZERO,
+            "no wait for the shadow rule"
+        );
+        statuses.push(response.status());
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+    idle().await;
+    // Asked once, for the first admitted request, on its own task: the second found the
+    // lookup under way, the refused one asked nothing.
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    // Another key: the same, without waiting either.
+    for _ in 0..2 {
+        let start = tokio::time::Instant::now();
+        let response = service.clone().oneshot(request("k-2")).await.unwrap();
+        assert_eq!(
+            (response.status(), start.elapsed()),
+            (StatusCode::OK, Duration::ZERO)
+        );
+        assert!(response.extensions().get::<ShadowRejection>().is_none());
+        idle().await;
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+
+    // A resolver that answers: the key's first admitted request goes on unchecked by the
+    // shadow rule, its tier is looked up meanwhile, and the next requests are checked in it.
+    let layer = RateLimitLayer::builder(MemoryStore::with_clock(TokioClock::new()))
+        .rule(Rule::new("all").policy(Policy::fixed_window(100, HOUR).unwrap()))
+        .rule(
+            Rule::new("next-plan")
+                .key(Header::from_static("x-api-key"))
+                .tiers(
+                    Tiers::new(|_: String| async { Some("tiny".to_owned()) })
+                        .tier("free", [Policy::fixed_window(100, HOUR).unwrap()])
+                        .tier("tiny", [Policy::fixed_window(1, HOUR).unwrap()])
+                        .clock(TokioClock::new()),
+                )
+                .shadow(),
+        )
+        .build()
+        .unwrap();
+    let service = ServiceBuilder::new()
+        .layer(layer)
+        .service(tower::service_fn(|request: Request<String>| async move {
+            let rejected = request.extensions().get::<ShadowRejection>().is_some();
+            Ok::<_, Infallible>(Response::new(rejected.to_string()))
+        }));
+    let mut shadow_rejected = Vec::new();
+    for _ in 0..3 {
+        let response = service.clone().oneshot(request("k-3")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        shadow_rejected.push(response.into_body());
+        idle().await;
+    }
+    // Unchecked (tier unknown), then 1 of the tier's 1, then refused in shadow.
+    assert_eq!(shadow_rejected, ["false", "false", "true"]);
+}

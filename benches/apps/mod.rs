@@ -39,6 +39,23 @@ pub(crate) fn limited(
         .unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// [`limited`] (with the IETF fields) for the paths under `prefix` only.
+#[allow(dead_code)] // Only benches/http.rs uses it.
+pub(crate) fn limited_path(prefix: &str) -> RateLimitLayer<MemoryStore> {
+    let policy = Policy::gcra(Rate::per_second(1_000_000_000), 1_000_000_000)
+        .and_then(|p| p.named("per-ip"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::new("per-ip")
+                .path_prefix(prefix)
+                .key(PeerIp::new())
+                .policy(policy),
+        )
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// tower_governor's per-IP layer, one request per nanosecond with a burst of 2^32 - 1.
 pub(crate) fn governor() -> GovernorLayer<PeerIpKeyExtractor, NoOpMiddleware<QuantaInstant>, Body> {
     let config = GovernorConfigBuilder::default()

@@ -102,7 +102,11 @@ fn legacy_values(reset: ResetFormat, decision: &Decision) -> [HeaderValue; 3] {
 ///   the window): the oldest entry may leave sooner, so clients wait a little more than they
 ///   must, never less.
 /// - **Sliding window counter**: until the current window ends (the counts of the current
-///   window stop counting fully then), so never more than the window.
+///   window stop counting fully then), so never more than the window. With nothing left
+///   (`r=0`), one nanosecond more: at the window's end the current window's count weighs
+///   whole, as the previous one's, and an admission leaves it at most the limit, so a unit
+///   is free one nanosecond later at the latest (and may be sooner, while the previous
+///   window's count fades).
 pub(crate) fn t_secs(decision: &Decision, policy: &Policy) -> u64 {
     if let Some(retry) = decision.retry_after_secs() {
         return retry;
@@ -118,7 +122,9 @@ pub(crate) fn t_secs(decision: &Decision, policy: &Policy) -> u64 {
             }
         }
         Algorithm::FixedWindow | Algorithm::SlidingLog => reset,
-        Algorithm::SlidingWindow if reset > period => reset - period,
+        Algorithm::SlidingWindow if reset > period => {
+            (reset - period).saturating_add(u64::from(decision.remaining() == 0))
+        }
         Algorithm::SlidingWindow => reset,
     };
     nanos.div_ceil(1_000_000_000)

@@ -404,6 +404,12 @@ mod tests {
         let sliding = Policy::sliding_window(10, secs(60)).unwrap();
         assert_eq!(t_secs(&admitted(secs(111)), &sliding), 51);
         assert_eq!(t_secs(&admitted(secs(40)), &sliding), 40);
+        // Nothing left: the window's end weighs the current count whole, a nanosecond later
+        // it is free.
+        let spent = |reset| Decision::admitted(10, 0, reset);
+        assert_eq!(t_secs(&spent(secs(111)), &sliding), 52);
+        assert_eq!(t_secs(&spent(ms(110_500)), &sliding), 51);
+        assert_eq!(t_secs(&spent(secs(40)), &sliding), 40);
         // A refusal: the retry, whatever the algorithm.
         let refused = Decision::rejected(10, 0, secs(111), ms(2_500));
         for policy in [&gcra, &slow, &leaky, &fixed, &log, &sliding] {

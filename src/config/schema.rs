@@ -376,7 +376,12 @@ pub struct TiersConfig {
     /// The name of a resolver registered in code.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resolver: Option<String>,
-    /// Keys whose tier is known up front (key -> tier).
+    /// Keys whose tier is known up front (key -> tier), written as requests carry them
+    /// (`"k%1"` is the header value `k%1`): for an `all_of` key, the values joined by `/`
+    /// (`"acme/42"`; the last value takes the rest); for an `any_of` key, the first key's
+    /// value, or another's as `name=value` (`"client=203.0.113.9"`), so that a value listed
+    /// for one key is never matched by another's (a client sending a listed address as its
+    /// API key). Listed keys are looked at before the resolver.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub keys: BTreeMap<String, String>,
     /// The tier of keys placed nowhere (the first plan unless set).

@@ -17,7 +17,9 @@ use tower_service::Service;
 use super::layer::Shared;
 use crate::answer::RefusalBody;
 use crate::answer::{FieldValues, HeaderProfile, Rejection, RejectionKind};
-use crate::limiter::{Applied, NoKey, Plan, ShadowPlan, ShadowRejection, Single, Start};
+use crate::limiter::{
+    Applied, Costly, NoKey, Plan, ShadowCheck, ShadowPlan, ShadowRejection, Single, Start,
+};
 use crate::telemetry::DecisionSpan;
 use crate::{Decision, Store, StoreError};
 
@@ -58,10 +60,10 @@ pin_project! {
     #[project = StateProj]
     #[project_replace = StateReplace]
     enum State<CF, SF, P> {
-        // Waiting for a tier resolver (a cache miss).
+        // Waiting for a tier resolver (a cache miss of an enforced rule).
         Resolving {
             answer: crate::limiter::TierOf,
-            at: (bool, usize),
+            at: usize,
             plan: Box<Plan>,
             pending: P,
         },
@@ -120,7 +122,7 @@ enum Next<F> {
     /// Wait for a tier resolver.
     Resolve {
         plan: Box<Plan>,
-        at: (bool, usize),
+        at: usize,
         answer: crate::limiter::TierOf,
     },
 }
@@ -359,6 +361,14 @@ impl<St: Store> Shared<St> {
                 self.limiter.observe_no_key(no_key, span);
                 return Next::Answer(self.no_key(parts, no_key));
             }
+            Single::Costly { costly, applied } => {
+                return Next::Answer(self.costly(
+                    parts,
+                    costly,
+                    std::slice::from_ref(&applied),
+                    span,
+                ));
+            }
         };
         let result = match now(check) {
             Ok(result) => result,
@@ -372,6 +382,11 @@ impl<St: Store> Shared<St> {
                 };
             }
         };
+        if let Err(StoreError::CostExceedsLimit { index, limit, .. }) = result {
+            let costly = Costly { index, limit };
+            let applied = std::slice::from_ref(&applied);
+            return Next::Answer(self.costly(parts, costly, applied, span));
+        }
         self.limiter.observe_single(&applied, &result, span);
         match result {
             Ok(d) if d.allowed() => {
@@ -432,6 +447,9 @@ impl<St: Store> Shared<St> {
                 self.limiter.observe_no_key(no_key, span);
                 Next::Answer(self.no_key(parts, no_key))
             }
+            Start::Costly { costly, applied } => {
+                Next::Answer(self.costly(parts, costly, &applied, span))
+            }
         }
     }
 
@@ -445,6 +463,11 @@ impl<St: Store> Shared<St> {
         parts: &mut Parts,
         span: &DecisionSpan,
     ) -> Next<St::Future> {
+        // A store that finds a cost it can never admit: a refusal, never a failure (which a
+        // failure policy could turn into an admission).
+        if let Err(StoreError::CostExceedsLimit { index, limit, .. }) = result {
+            return Next::Answer(self.costly(parts, Costly { index, limit }, &applied, span));
+        }
         self.limiter.observe(&applied, &result, span);
         match result {
             Ok(d) if d.allowed() => self.admitted(Some(d), applied, shadow, parts, span),
@@ -465,9 +488,12 @@ impl<St: Store> Shared<St> {
     ) -> Next<St::Future> {
         let rejection = match shadow {
             None => None,
-            Some(shadow) => {
-                let (check, shadow) = self.limiter.check_shadow(&shadow);
-                match now(check) {
+            Some(mut shadow) => match self.limiter.check_shadow(&mut shadow) {
+                ShadowCheck::Nothing => None,
+                ShadowCheck::Costly(costly, shadow) => {
+                    self.shadow_rejection(Ok(costly.decision()), &shadow, span)
+                }
+                ShadowCheck::Checking(check, shadow) => match now(check) {
                     Ok(result) => self.shadow_rejection(result, &shadow, span),
                     Err(check) => {
                         return Next::Shadow {
@@ -477,8 +503,8 @@ impl<St: Store> Shared<St> {
                             shadow,
                         };
                     }
-                }
-            }
+                },
+            },
         };
         Next::Call(self.admit(decision, &applied, parts, rejection))
     }
@@ -510,6 +536,12 @@ impl<St: Store> Shared<St> {
         applied: &[Applied],
         span: &DecisionSpan,
     ) -> Option<ShadowRejection> {
+        let result = match result {
+            Err(StoreError::CostExceedsLimit { index, limit, .. }) => {
+                Ok(Costly { index, limit }.decision())
+            }
+            result => result,
+        };
         self.limiter.observe_shadow(applied, &result, span);
         match result {
             Ok(d) if !d.allowed() => Some(self.limiter.shadow_rejected(applied, d)),
@@ -576,6 +608,45 @@ impl<St: Store> Shared<St> {
         let mut response = crate::answer::refuse(&*self.responder, &rejection);
         if let Some(fields) = self.fields(decision, applied) {
             fields.apply(response.headers_mut());
+        }
+        response
+    }
+
+    /// The answer to a request that costs more than one of its policies' limit: refused as
+    /// over that limit, with no time to come back at (none would do), without asking the
+    /// store.
+    #[cold]
+    fn costly(
+        &self,
+        parts: &Parts,
+        costly: Costly,
+        applied: &[Applied],
+        span: &DecisionSpan,
+    ) -> Response<Bytes> {
+        self.limiter.observe_costly(applied, costly, span);
+        let located = self.limiter.locate_policy(applied, costly.index);
+        let mut response = crate::answer::refuse(
+            &*self.responder,
+            &Rejection {
+                kind: RejectionKind::Limited,
+                parts,
+                status: http::StatusCode::TOO_MANY_REQUESTS,
+                decision: None,
+                rule: located.map(|(r, _, _)| r),
+                policy: located.map(|(_, p, _)| &**p),
+                window: located.map(|(_, _, p)| crate::answer::PolicySpan::from(p)),
+                retry_after: None,
+                error: None,
+            },
+        );
+        // The quotas, so that the client sees its request cannot fit; no `RateLimit`: there
+        // is no time at which it would.
+        if matches!(self.profile, HeaderProfile::Ietf | HeaderProfile::Both) {
+            if let Some(policies) = self.policy_field(applied) {
+                response
+                    .headers_mut()
+                    .insert(crate::answer::RATELIMIT_POLICY, policies);
+            }
         }
         response
     }

@@ -24,7 +24,11 @@
 //! every request: that alone costs 110 to 130 ns per request, even for a layer that does
 //! nothing (BENCHMARKS.md). Rules on axum route templates (`Rule::route`) need the layer
 //! inside the router (`Router::layer` or `Router::route_layer`), because `MatchedPath` exists
-//! only once the router has matched a route; rules on paths and prefixes work in both places.
+//! only once the router has matched a route; rules on paths and prefixes work in both places,
+//! and in a router nested with `Router::nest` they match the full path, as it was before axum
+//! stripped the nest's prefix. Paths are compared as the application reads them, decoded:
+//! `/files/%65xports` is `/files/exports` (see [the limiter's rules on
+//! paths](crate::limiter#paths)).
 //!
 //! ```no_run
 //! use std::net::SocketAddr;
@@ -98,8 +102,12 @@
 //! | GCRA, token bucket, leaky bucket | until the next unit is back: the time to full recovery modulo the interval (a whole interval when it divides exactly, 0 when full) | `r=2;t=10`, then `r=1;t=6` |
 //! | fixed window | until the window ends | `r=2;t=30`, then `r=1;t=26` |
 //! | sliding log | until the log has fully recovered (at most the window; its oldest entry may leave sooner, so a client waits a little more than it must, never less) | `r=2;t=30`, then `r=1;t=30` |
-//! | sliding window counter | until the current window ends (never more than the window) | `r=2;t=30`, then `r=1;t=26` |
+//! | sliding window counter | until the current window ends (never more than the window); with nothing left (`r=0`), a nanosecond more, rounded up: at the window's end the current window's count still weighs whole | `r=2;t=30`, then `r=1;t=26` |
 //!
+//! Whatever the algorithm, a client that waits `t` after a response of one policy that
+//! leaves nothing (`r=0`) is admitted by it (a test generates traces to hold it so). With
+//! several policies all used up, the field names the one that recovers fully last, whose `t`
+//! may come before another's quota is back (the stores pick without the algorithms at hand).
 //! On a refusal, `t` is the time until this request may be retried, the same number as
 //! `Retry-After` (the draft asks that `Retry-After` never point before `t`). The legacy
 //! `X-RateLimit-Reset` keeps its usual meaning, the time until the policy has fully recovered

@@ -200,6 +200,28 @@ pub enum LimiterError {
         /// What is wrong.
         reason: String,
     },
+    /// A rule (or one of its tiers) lists the same policy twice: one state in the store,
+    /// which each request would be counted against twice.
+    DuplicatePolicy {
+        /// The rule.
+        rule: String,
+        /// The tier, for a rule with tiers.
+        tier: Option<String>,
+        /// Where the policy is listed first (from 0).
+        first: usize,
+        /// Where it is listed again.
+        again: usize,
+    },
+    /// A rule on a route template in axum 0.7's syntax (`/users/:id`), which axum 0.8 never
+    /// matches.
+    OldRouteSyntax {
+        /// The rule.
+        rule: String,
+        /// The template given.
+        route: String,
+        /// The same template in axum 0.8's syntax (`/users/{id}`).
+        suggested: String,
+    },
     /// More rules than 65 535.
     TooManyRules(usize),
     /// The store refuses keys longer than `max` bytes, and the limiter makes keys of up to
@@ -233,6 +255,31 @@ impl fmt::Display for LimiterError {
             LimiterError::InvalidTiers { rule, reason } => {
                 write!(f, "the tiers of rule {rule:?}: {reason}")
             }
+            LimiterError::DuplicatePolicy {
+                rule,
+                tier,
+                first,
+                again,
+            } => {
+                write!(f, "rule {rule:?}")?;
+                if let Some(tier) = tier {
+                    write!(f, ", tier {tier:?},")?;
+                }
+                write!(
+                    f,
+                    " lists the same policy twice (policies {first} and {again}): every request \
+                     would count twice against it; list it once, or name the two apart"
+                )
+            }
+            LimiterError::OldRouteSyntax {
+                rule,
+                route,
+                suggested,
+            } => write!(
+                f,
+                "rule {rule:?}: the route {route:?} is written in axum 0.7's syntax, which axum \
+                 0.8 never matches: write {suggested:?}"
+            ),
             LimiterError::TooManyRules(n) => write!(f, "{n} rules: at most 65535"),
             LimiterError::StoreKeyTooShort { max, longest } => write!(
                 f,

@@ -8,6 +8,7 @@ use http::{HeaderValue, Method};
 use smallvec::SmallVec;
 
 use super::build::{LimiterError, valid_name};
+use super::path::RequestPath;
 use super::rule::{Cost, MissingKey, Route, Rule};
 use super::tier::TierLookup;
 use crate::answer::StatusField;
@@ -187,6 +188,16 @@ impl CompiledRule {
                 (sets, Some(Arc::new(tiers.into_resolved(&name, default))))
             }
         };
+        #[cfg(feature = "axum")]
+        if let Route::Template(template) = &rule.route {
+            if let Some(suggested) = super::rule::old_route_syntax(template) {
+                return Err(LimiterError::OldRouteSyntax {
+                    rule: rule.name,
+                    route: template.to_string(),
+                    suggested,
+                });
+            }
+        }
         let methods = super::rule::effective_methods(rule.methods, rule.exact_methods);
         let decisions = |outcome| {
             Counter::new(
@@ -226,9 +237,9 @@ impl CompiledRule {
     /// `HEAD`, which axum's `get` serves with the same handler, unless the rule asks for exact
     /// methods) and by route.
     #[inline(always)]
-    pub(super) fn matches(&self, parts: &Parts) -> bool {
+    pub(super) fn matches(&self, parts: &Parts, path: &RequestPath<'_>) -> bool {
         (self.methods.is_empty() || self.methods.contains(&parts.method))
-            && self.route.matches(parts)
+            && self.route.matches(parts, path)
     }
 }
 
@@ -252,6 +263,18 @@ impl PolicySet {
         policies: Vec<Policy>,
         shadow: bool,
     ) -> Result<Self, LimiterError> {
+        // The same policy twice is one state in the store, counted twice per request: half
+        // the limit, and a cost above half of it never admitted.
+        for (j, policy) in policies.iter().enumerate() {
+            if let Some(i) = policies[..j].iter().position(|p| p.id() == policy.id()) {
+                return Err(LimiterError::DuplicatePolicy {
+                    rule: rule.to_owned(),
+                    tier: tier.map(str::to_owned),
+                    first: i,
+                    again: j,
+                });
+            }
+        }
         let single = policies.len() == 1;
         let names: Box<[Arc<str>]> = policies
             .iter()

@@ -11,6 +11,33 @@
 //! reported but never refuses. The [`RateLimitLayer`](crate::RateLimitLayer) runs a limiter in front of an
 //! HTTP service.
 //!
+//! # Paths
+//!
+//! A rule on a path ([`Rule::path`]) or a prefix ([`Rule::path_prefix`]), here and in the
+//! concurrency and shape layers, matches the path the application acts on, whatever its
+//! spelling, since a router decodes what it hands a handler (`/files/%65xports/a.csv` is
+//! `exports/a.csv` to the handler of `/files/{*path}`):
+//!
+//! - every `%XX` escape is decoded (once), `%2F` as a `/`: `/files/exports%2Fa.csv` is under
+//!   `/files/exports`;
+//! - runs of `/` count as one (`/files//exports`);
+//! - dot segments are resolved, and the rule matches if the path does before or after: a
+//!   `..` that could climb out of a handler's root is read as stopping there, at any of the
+//!   rule's own segments (`/files/../exports` is counted by a rule on `/files/exports`);
+//! - letters keep their case, and a trailing `/` stays part of the path (`/login/` is not
+//!   `/login`), as in axum's router; the query string never counts.
+//!
+//! An ambiguous spelling is counted rather than let through. The rule's own path is read the
+//! same way when it is made (`path("/%6Cogin")` is `path("/login")`). A path with no `%`, no
+//! `//` and no dot segment (nearly all of them) is compared as it is, with nothing decoded or
+//! allocated.
+//!
+//! With feature `axum`, the path is the request's full original path, from axum's
+//! `OriginalUri`, which the outermost router puts into the extensions: inside
+//! `Router::nest("/api", ...)`, where axum strips `/api` before the inner router's layers
+//! see the path, a rule on `/api/login` still matches (a rule on `/login` does not). Outside
+//! any router, the request's own path is used.
+//!
 //! ```
 //! use std::time::Duration;
 //! use http::StatusCode;
@@ -60,6 +87,7 @@
 mod build;
 mod compiled;
 mod observe;
+mod path;
 mod plan;
 mod rule;
 mod tier;
@@ -68,8 +96,12 @@ pub(crate) use build::valid_name;
 pub use build::{Limiter, LimiterBuilder, LimiterError};
 pub(crate) use compiled::{SF_INTEGER_MAX, field_value};
 pub use observe::ShadowRejection;
-pub(crate) use plan::{Applied, NoKey, Plan, ShadowPlan, Single, Start, hashed_key};
+pub(crate) use plan::{
+    Applied, Costly, NoKey, Plan, ShadowCheck, ShadowPlan, Single, Start, hashed_key,
+};
 pub(crate) use rule::Matcher;
+#[cfg(feature = "axum")]
+pub(crate) use rule::old_route_syntax;
 pub use rule::{MissingKey, Rule};
 pub use tier::{
     DEFAULT_TIER_CACHE_CAPACITY, DEFAULT_TIER_TIMEOUT, DEFAULT_TIER_TTL, TierAnswer, TierResolver,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::build::Limiter;
 use super::compiled::{CompiledRule, PolicySet};
-use super::plan::{Applied, NoKey};
+use super::plan::{Applied, Costly, NoKey};
 use crate::answer::StatusField;
 use crate::store::Store;
 use crate::telemetry::{DecisionSpan, METRICS};
@@ -220,6 +220,14 @@ impl<St: Store> Limiter<St> {
                 }
             }
             Err(_) => {}
+        }
+    }
+
+    /// Counts, and records in the decision's span, a refusal of a cost above a policy's limit.
+    pub(crate) fn observe_costly(&self, applied: &[Applied], costly: Costly, span: &DecisionSpan) {
+        if let Some((rule, set, i)) = self.locate_set(applied, costly.index) {
+            set.metrics[i].limited.increment(1);
+            span.record("limited", Some(&rule.name), Some(&set.names[i]), Some(0));
         }
     }
 

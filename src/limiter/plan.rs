@@ -8,11 +8,12 @@ use smallvec::SmallVec;
 
 use super::build::Limiter;
 use super::compiled::{CompiledRule, PolicySet};
+use super::path::RequestPath;
 use super::rule::MissingKey;
-use crate::Policy;
 use crate::key::{Key, MAX_KEY_LEN};
 use crate::store::{Check, Store};
 use crate::telemetry::DecisionSpan;
+use crate::{Decision, Policy};
 
 /// A rule that applies to a request: which rule, which of its policy sets (`None`: a tier
 /// not resolved yet), the cost, and the store key.
@@ -30,8 +31,44 @@ pub(crate) struct Planned {
 pub(crate) struct Plan {
     pub(crate) enforced: SmallVec<[Planned; 4]>,
     pub(crate) shadow: Vec<Planned>,
-    /// Whether a planned rule waits for its tier.
+    /// Whether an enforced rule waits for its tier (a shadow rule never holds a request: see
+    /// [`Limiter::check_shadow`]).
     unresolved: bool,
+}
+
+/// A check whose cost is above its policy's limit: no wait would ever admit it, so the request
+/// is refused as over that limit (429, with no time to come back at), without asking the
+/// store, and consumes nothing.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Costly {
+    /// The check's index in the stack of the rules that applied.
+    pub(crate) index: usize,
+    /// The policy's limit.
+    pub(crate) limit: u64,
+}
+
+impl Costly {
+    /// The decision of such a check: refused, nothing remaining, and a wait that never ends
+    /// (`u64::MAX` ns); for the shadow rules' reports. An enforced refusal sends no wait.
+    pub(crate) fn decision(self) -> Decision {
+        Decision::rejected(
+            self.limit,
+            0,
+            std::time::Duration::ZERO,
+            std::time::Duration::MAX,
+        )
+        .with_index(self.index)
+    }
+}
+
+/// What the shadow rules make of a request the enforced ones admitted.
+pub(crate) enum ShadowCheck<F> {
+    /// None of them applies (or their tiers are being looked up).
+    Nothing,
+    /// The store was asked.
+    Checking(F, SmallVec<[Applied; 4]>),
+    /// One of them could never admit it.
+    Costly(Costly, SmallVec<[Applied; 4]>),
 }
 
 /// Which rule and policy set an enforced check came from (and, for the metrics, its cost
@@ -53,6 +90,8 @@ pub(crate) enum Single<F> {
     Skip,
     /// The rule found no key and refuses the request.
     NoKey(NoKey),
+    /// The request costs more than the policy's limit.
+    Costly { costly: Costly, applied: Applied },
     /// The store was asked.
     Checked { check: F, applied: Applied },
 }
@@ -67,15 +106,20 @@ pub(crate) enum Start<F> {
     },
     /// No enforced rule applies.
     Unchecked { shadow: Option<ShadowPlan> },
-    /// A tier must be looked up first (one lookup per key at a time: this request's, or
-    /// another's that it waits for).
+    /// An enforced rule's tier must be looked up first (one lookup per key at a time: this
+    /// request's, or another's that it waits for).
     Resolving {
         plan: Box<Plan>,
-        at: (bool, usize),
+        at: usize,
         answer: super::tier::TierOf,
     },
     /// A rule found no key and refuses the request.
     NoKey(NoKey),
+    /// An enforced check costs more than its policy's limit.
+    Costly {
+        costly: Costly,
+        applied: SmallVec<[Applied; 4]>,
+    },
 }
 
 #[inline]
@@ -103,14 +147,9 @@ pub(crate) struct NoKey {
 pub(crate) type Checks<'a> = SmallVec<[Check<'a>; 8]>;
 
 impl Plan {
-    /// Records the tier found for the planned rule `at` (shadow or not, and its index).
-    pub(crate) fn resolved(&mut self, (shadow, i): (bool, usize), tier: u16) {
-        let planned = if shadow {
-            self.shadow.get_mut(i)
-        } else {
-            self.enforced.get_mut(i)
-        };
-        if let Some(planned) = planned {
+    /// Records the tier found for the enforced rule planned at `i`.
+    pub(crate) fn resolved(&mut self, i: usize, tier: u16) {
+        if let Some(planned) = self.enforced.get_mut(i) {
             planned.set = Some(tier);
             planned.raw = None;
         }
@@ -139,6 +178,14 @@ impl<St: Store> Limiter<St> {
         match self.check_single(parts, span) {
             Single::Skip => Start::Unchecked { shadow: None },
             Single::NoKey(no_key) => Start::NoKey(no_key),
+            Single::Costly { costly, applied } => {
+                let mut list = SmallVec::new();
+                list.push(applied);
+                Start::Costly {
+                    costly,
+                    applied: list,
+                }
+            }
             Single::Checked { check, applied } => {
                 let mut list = SmallVec::new();
                 list.push(applied);
@@ -164,7 +211,7 @@ impl<St: Store> Limiter<St> {
         let Some(rule) = self.rules.first() else {
             return Single::Skip;
         };
-        if !rule.matches(parts) {
+        if !rule.matches(parts, &RequestPath::of(parts)) {
             return Single::Skip;
         }
         let key = match rule_key(rule, 0, parts) {
@@ -177,16 +224,24 @@ impl<St: Store> Limiter<St> {
         };
         let cost = rule.cost.of(parts);
         span.record_keys(self.key_trace, std::iter::once(key.as_str()));
+        let applied = Applied {
+            rule: 0,
+            set: 0,
+            #[cfg(feature = "metrics")]
+            cost,
+        };
+        if cost > policy.limit() {
+            return Single::Costly {
+                costly: Costly {
+                    index: 0,
+                    limit: policy.limit(),
+                },
+                applied,
+            };
+        }
         Single::Checked {
-            check: self
-                .store
-                .check(key.as_str(), policy, cost.min(policy.limit())),
-            applied: Applied {
-                rule: 0,
-                set: 0,
-                #[cfg(feature = "metrics")]
-                cost,
-            },
+            check: self.store.check(key.as_str(), policy, cost),
+            applied,
         }
     }
 
@@ -206,10 +261,10 @@ impl<St: Store> Limiter<St> {
     #[inline]
     fn proceed(&self, plan: &mut Plan, span: &DecisionSpan) -> Start<St::Future> {
         if plan.unresolved {
-            if let Some((shadow, i, answer)) = self.next_unresolved(&mut *plan) {
+            if let Some((i, answer)) = self.next_unresolved(&mut *plan) {
                 return Start::Resolving {
                     plan: Box::new(std::mem::take(plan)),
-                    at: (shadow, i),
+                    at: i,
                     answer,
                 };
             }
@@ -227,10 +282,17 @@ impl<St: Store> Limiter<St> {
             // One rule with one policy: no stack to build.
             [one] if self.set(one.rule, one.set.unwrap_or(0)).policies.len() == 1 => {
                 let policy = &self.set(one.rule, one.set.unwrap_or(0)).policies[0];
-                self.store
-                    .check(one.key.as_str(), policy, one.cost.min(policy.limit()))
+                if one.cost > policy.limit() {
+                    let limit = policy.limit();
+                    let costly = Costly { index: 0, limit };
+                    return Start::Costly { costly, applied };
+                }
+                self.store.check(one.key.as_str(), policy, one.cost)
             }
-            enforced => self.store.check_all(&self.checks(enforced)),
+            enforced => match self.checks(enforced) {
+                Ok(checks) => self.store.check_all(&checks),
+                Err(costly) => return Start::Costly { costly, applied },
+            },
         };
         Start::Checking {
             check,
@@ -239,16 +301,42 @@ impl<St: Store> Limiter<St> {
         }
     }
 
-    /// Asks the store about the shadow rules.
-    pub(crate) fn check_shadow(&self, shadow: &[Planned]) -> (St::Future, SmallVec<[Applied; 4]>) {
-        (self.store.check_all(&self.checks(shadow)), applied(shadow))
+    /// Asks the store about the shadow rules of a request the enforced ones admitted. A shadow
+    /// rule never holds a request up: one whose tier for the key is not known yet skips this
+    /// request, and the key's tier is looked up in the background (on the tokio runtime, in
+    /// the rule's single flight), for the key's next requests.
+    pub(crate) fn check_shadow(&self, shadow: &mut ShadowPlan) -> ShadowCheck<St::Future> {
+        shadow.retain_mut(|planned| {
+            if planned.set.is_some() {
+                return true;
+            }
+            let tiers = self
+                .rules
+                .get(usize::from(planned.rule))
+                .and_then(|r| r.tiers.as_ref());
+            if let Some(tiers) = tiers {
+                let raw = planned.raw.take().unwrap_or_default();
+                tiers.look_up_in_background(planned.key.as_str(), raw);
+            }
+            false
+        });
+        if shadow.is_empty() {
+            return ShadowCheck::Nothing;
+        }
+        let applied = applied(shadow);
+        match self.checks(shadow) {
+            Ok(checks) => ShadowCheck::Checking(self.store.check_all(&checks), applied),
+            Err(costly) => ShadowCheck::Costly(costly, applied),
+        }
     }
 
     /// The rules that apply to this request, with keys, costs and (cached) tiers.
     #[inline]
     fn fill(&self, parts: &Parts, plan: &mut Plan) -> Result<(), NoKey> {
+        // Read (and, if it must be, decoded) once, by the first rule on a path.
+        let path = RequestPath::of(parts);
         for (index, rule) in self.rules.iter().enumerate() {
-            if !rule.matches(parts) {
+            if !rule.matches(parts, &path) {
                 continue;
             }
             let index = u16::try_from(index).unwrap_or(u16::MAX);
@@ -270,8 +358,10 @@ impl<St: Store> Limiter<St> {
                         raw = None;
                         Some(tier)
                     }
+                    // A shadow rule's tier is looked up only once the enforced rules admitted
+                    // the request (see `check_shadow`).
                     None => {
-                        plan.unresolved = true;
+                        plan.unresolved |= !rule.shadow;
                         None
                     }
                 },
@@ -300,30 +390,22 @@ impl<St: Store> Limiter<St> {
         Ok(plan)
     }
 
-    /// The first planned rule whose tier is not known yet, and its tier to come: the rule's
+    /// The first enforced rule whose tier is not known yet, and its tier to come: the rule's
     /// lookup of the key, shared with the requests for the same key under way (single flight;
     /// see [`TierLookup::tier_of`](super::TierLookup::tier_of)), which remembers the answer.
-    fn next_unresolved(&self, plan: &mut Plan) -> Option<(bool, usize, super::tier::TierOf)> {
-        let find = |list: &[Planned]| list.iter().position(|p| p.set.is_none());
-        let (shadow, i) = match find(&plan.enforced) {
-            Some(i) => (false, i),
-            None => (true, find(&plan.shadow)?),
-        };
-        let planned = if shadow {
-            &mut plan.shadow[i]
-        } else {
-            &mut plan.enforced[i]
-        };
+    fn next_unresolved(&self, plan: &mut Plan) -> Option<(usize, super::tier::TierOf)> {
+        let i = plan.enforced.iter().position(|p| p.set.is_none())?;
+        let planned = &mut plan.enforced[i];
         let tiers = self.rules.get(usize::from(planned.rule))?.tiers.as_ref()?;
         let raw = planned.raw.take().unwrap_or_default();
         let answer = tiers.tier_of_owned(planned.key.as_str().into(), raw);
-        Some((shadow, i, answer))
+        Some((i, answer))
     }
 
     /// The store checks of some planned rules (all resolved), in order: each rule's policies
-    /// in turn.
+    /// in turn; or the first whose cost is above its policy's limit.
     #[inline]
-    pub(crate) fn checks<'a>(&'a self, planned: &'a [Planned]) -> Checks<'a> {
+    pub(crate) fn checks<'a>(&'a self, planned: &'a [Planned]) -> Result<Checks<'a>, Costly> {
         let mut checks = Checks::new();
         for p in planned {
             let set = self.set(p.rule, p.set.unwrap_or(0));
@@ -333,13 +415,15 @@ impl<St: Store> Limiter<St> {
                 .get(usize::from(p.rule))
                 .map_or(usize::MAX, |r| p.key.len().saturating_sub(r.suffix.len()));
             for policy in set.policies.iter() {
-                checks.push(
-                    Check::new(p.key.as_str(), policy, p.cost.min(policy.limit()))
-                        .placed_by(placed_by),
-                );
+                if p.cost > policy.limit() {
+                    let index = checks.len();
+                    let limit = policy.limit();
+                    return Err(Costly { index, limit });
+                }
+                checks.push(Check::new(p.key.as_str(), policy, p.cost).placed_by(placed_by));
             }
         }
-        checks
+        Ok(checks)
     }
 }
 
@@ -473,6 +557,32 @@ mod tests {
             ]),
             LimiterError::PoliciesAndTiers(_)
         ));
+        // The same policy twice in a rule or a tier (not in two tiers, nor under two names).
+        let e = err(vec![Rule::new("a").policies([p(5), p(6), p(5)])]);
+        assert_eq!(
+            e,
+            LimiterError::DuplicatePolicy {
+                rule: "a".into(),
+                tier: None,
+                first: 0,
+                again: 2
+            }
+        );
+        assert!(e.to_string().contains("policies 0 and 2"), "{e}");
+        let e = err(vec![
+            Rule::new("a").tiers(tiers().tier("x", [p(1)]).tier("y", [p(2), p(2)])),
+        ]);
+        assert!(
+            matches!(&e, LimiterError::DuplicatePolicy { tier: Some(t), .. } if t == "y"),
+            "{e}"
+        );
+        assert!(
+            Limiter::builder(MemoryStore::new())
+                .rule(Rule::new("a").tiers(tiers().tier("x", [p(1)]).tier("y", [p(1)])))
+                .rule(Rule::new("b").policies([p(1), p(1).named("other").unwrap()]))
+                .build()
+                .is_ok()
+        );
         for t in [
             tiers(),
             tiers().tier("x", []),
@@ -594,6 +704,7 @@ mod tests {
                     format!("{} {:?}", d.allowed(), applied.len())
                 }
                 Start::Resolving { .. } => "resolving".into(),
+                Start::Costly { .. } => "costly".into(),
             };
         let reject = MissingKey::Reject(StatusCode::UNAUTHORIZED);
         for general in [false, true] {
@@ -645,6 +756,7 @@ mod tests {
                 Err(e) => format!("error {e}"),
             },
             Start::Resolving { .. } => "resolving".into(),
+            Start::Costly { costly, .. } => format!("costly {}", costly.index),
         }
     }
 
@@ -767,8 +879,9 @@ mod tests {
         let plan = limiter.plan(&parts).ok().unwrap();
         assert!(plan.enforced.is_empty());
         assert_eq!(plan.shadow.len(), 1);
-        let checks = limiter.checks(&plan.shadow);
-        assert_eq!(checks[0].cost(), 3); // clamped to the limit
+        // A cost above the limit is never asked of the store.
+        let costly = limiter.checks(&plan.shadow).err().unwrap();
+        assert_eq!((costly.index, costly.limit), (0, 3));
         let strict = Limiter::builder(MemoryStore::new())
             .rule(
                 Rule::new("key")

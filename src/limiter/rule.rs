@@ -7,6 +7,7 @@ use http::request::Parts;
 use http::{Method, StatusCode};
 use smallvec::SmallVec;
 
+use super::path::RequestPath;
 use super::tier::Tiers;
 use crate::Policy;
 use crate::key::{Global, Key, KeyExtractor};
@@ -25,8 +26,16 @@ use crate::key::{Global, Key, KeyExtractor};
 ///   key's tier.
 /// - **What it costs**: 1 unless set, a fixed weight ([`Rule::cost`]) or a closure over the
 ///   request head ([`Rule::cost_fn`]). A cost of 0 is checked (and reported) but consumes
-///   nothing. A cost above a policy's limit is counted as that limit, so the request then
-///   needs the policy's whole allowance instead of being refused forever.
+///   nothing. A cost above a policy's limit can never be admitted: the request is refused as
+///   over that limit (429 naming the policy, with no `Retry-After`, since no wait would do;
+///   gRPC `RESOURCE_EXHAUSTED`), without asking the store, and consumes nothing from any
+///   policy. A store that answers such a cost with
+///   [`StoreError::CostExceedsLimit`](crate::StoreError::CostExceedsLimit) gets the same
+///   answer, never a 503 that a failure policy could turn into an admission.
+/// - **Each policy once**: the same policy (algorithm, numbers and name) twice in one rule,
+///   or in one tier, is refused when the limiter is built
+///   ([`LimiterError::DuplicatePolicy`](super::LimiterError::DuplicatePolicy)): it is one
+///   state in the store, which every request would be counted against twice.
 /// - **No key**: see [`MissingKey`]; by default such a request is refused with a 500, which
 ///   makes a misconfigured key (say, `PeerIp` without `ConnectInfo`) impossible to miss.
 /// - **Shadow**: [`Rule::shadow`] decides and reports without ever refusing.
@@ -110,23 +119,30 @@ impl Rule {
         self
     }
 
-    /// Only requests for exactly this path (`/login`).
+    /// Only requests for exactly this path (`/login`), however it is spelled: paths are
+    /// compared percent-decoded (`/%6Cogin` is `/login`), with runs of `/` collapsed and,
+    /// as a second reading, dot segments resolved; with feature `axum`, the full path even
+    /// inside a nested router. See [the rules on paths](super#paths).
     pub fn path(mut self, path: impl Into<String>) -> Self {
-        self.route = Route::Exact(path.into().into());
+        self.route = Route::Exact(super::path::normalize(&path.into()));
         self
     }
 
     /// Only requests for paths under `prefix`, by whole segments: `/api` matches `/api` and
-    /// `/api/users` but not `/apis`.
+    /// `/api/users` but not `/apis`. Paths are read as [`Rule::path`] reads them:
+    /// `/files/%65xports/a.csv` and `/files/exports%2Fa.csv` are under `/files/exports`.
     pub fn path_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.route = Route::Prefix(prefix.into().into());
+        self.route = Route::Prefix(super::path::normalize(&prefix.into()));
         self
     }
 
     /// Only requests that axum routed to this route template (`/users/{id}`), as its
     /// `MatchedPath` says. This needs the layer inside the router (`Router::layer` or
     /// `Router::route_layer`), where axum has matched the route; a rule on a template never
-    /// matches a request without a `MatchedPath`.
+    /// matches a request without a `MatchedPath`. axum 0.7's syntax (`/users/:id`,
+    /// `/files/*rest`), which axum 0.8 never matches, is refused when the limiter is built
+    /// ([`LimiterError::OldRouteSyntax`](super::LimiterError::OldRouteSyntax)), with the
+    /// template in axum 0.8's syntax.
     #[cfg(feature = "axum")]
     #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
     pub fn route(mut self, template: impl Into<String>) -> Self {
@@ -185,7 +201,11 @@ impl Rule {
     /// observer) but never refuses a request, and its fields are not sent to clients: a request
     /// it finds no key for skips it, whatever [`Rule::on_missing_key`] says. Use it
     /// to roll out a limit safely. Shadow rules are checked after the enforced ones, all or
-    /// nothing among themselves, and only for requests the enforced rules admitted.
+    /// nothing among themselves, and only for requests the enforced rules admitted. A shadow
+    /// rule never holds a request up: with [`Rule::tiers`], a key whose tier is not known yet
+    /// is skipped while its tier is looked up on a task of its own (one lookup per key at a
+    /// time, on the tokio runtime; outside one nothing is looked up), and its next requests
+    /// are decided in that tier.
     pub fn shadow(mut self) -> Self {
         self.shadow = true;
         self
@@ -257,7 +277,7 @@ impl Matcher {
 
     pub(crate) fn matches(&self, parts: &Parts) -> bool {
         (self.methods.is_empty() || self.methods.contains(&parts.method))
-            && self.route.matches(parts)
+            && self.route.matches(parts, &RequestPath::of(parts))
     }
 
     /// Whether the rule refuses a request it finds no key for.
@@ -311,29 +331,39 @@ pub(crate) fn effective_methods(
     methods
 }
 
-/// Which requests a rule matches, by path.
-#[derive(Clone, Debug)]
+/// Which requests a rule matches, by path: exact paths and prefixes as
+/// [`normalize`](super::path::normalize) reads them.
+#[derive(Clone)]
 pub(crate) enum Route {
     Any,
-    Exact(Box<str>),
-    Prefix(Box<str>),
+    Exact(Box<[u8]>),
+    Prefix(Box<[u8]>),
     #[cfg(feature = "axum")]
     Template(Box<str>),
 }
 
+impl fmt::Debug for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Route::Any => f.write_str("Any"),
+            Route::Exact(p) => write!(f, "Exact({:?})", String::from_utf8_lossy(p)),
+            Route::Prefix(p) => write!(f, "Prefix({:?})", String::from_utf8_lossy(p)),
+            #[cfg(feature = "axum")]
+            Route::Template(t) => write!(f, "Template({t:?})"),
+        }
+    }
+}
+
 impl Route {
+    /// Whether the request (whose path, read once for all rules, is `path`) is on this route.
     #[inline]
-    pub(crate) fn matches(&self, parts: &Parts) -> bool {
+    pub(crate) fn matches(&self, parts: &Parts, path: &RequestPath<'_>) -> bool {
+        #[cfg(not(feature = "axum"))]
+        let _ = parts;
         match self {
             Route::Any => true,
-            Route::Exact(path) => parts.uri.path() == &**path,
-            Route::Prefix(prefix) => {
-                let path = parts.uri.path();
-                match path.strip_prefix(&**prefix) {
-                    Some(rest) => rest.is_empty() || prefix.ends_with('/') || rest.starts_with('/'),
-                    None => false,
-                }
-            }
+            Route::Exact(exact) => path.is(exact),
+            Route::Prefix(prefix) => path.is_under(prefix),
             #[cfg(feature = "axum")]
             Route::Template(template) => parts
                 .extensions
@@ -341,6 +371,26 @@ impl Route {
                 .is_some_and(|m| m.as_str() == &**template),
         }
     }
+}
+
+/// `template` in axum 0.8's syntax if it is written in axum 0.7's (a segment that starts with
+/// `:` or `*`, which axum 0.8 no longer reads as a parameter): `/users/:id` is
+/// `/users/{id}`, `/files/*rest` is `/files/{*rest}`.
+#[cfg(feature = "axum")]
+pub(crate) fn old_route_syntax(template: &str) -> Option<String> {
+    let old = |s: &str| s.len() > 1 && (s.starts_with(':') || s.starts_with('*'));
+    if !template.split('/').any(old) {
+        return None;
+    }
+    let segments: Vec<String> = template
+        .split('/')
+        .map(|s| match s.strip_prefix(':') {
+            Some(name) if !name.is_empty() => format!("{{{name}}}"),
+            _ if old(s) => format!("{{{s}}}"),
+            _ => s.to_owned(),
+        })
+        .collect();
+    Some(segments.join("/"))
 }
 
 /// What a request costs.
@@ -376,14 +426,37 @@ mod tests {
     #[test]
     fn prefixes_match_whole_segments() {
         let parts = |p: &str| http::Request::get(p).body(()).unwrap().into_parts().0;
-        let api = Route::Prefix("/api".into());
-        assert!(api.matches(&parts("/api")));
-        assert!(api.matches(&parts("/api/users")));
-        assert!(!api.matches(&parts("/apis")));
-        let slash = Route::Prefix("/api/".into());
-        assert!(slash.matches(&parts("/api/x")));
-        assert!(!slash.matches(&parts("/api")));
-        assert!(Route::Exact("/a".into()).matches(&parts("/a?x=1")));
-        assert!(!Route::Exact("/a".into()).matches(&parts("/a/")));
+        let on = |route: &Route, p: &str| {
+            let parts = parts(p);
+            route.matches(&parts, &RequestPath::of(&parts))
+        };
+        let api = Route::Prefix(b"/api"[..].into());
+        assert!(on(&api, "/api"));
+        assert!(on(&api, "/api/users"));
+        assert!(!on(&api, "/apis"));
+        let slash = Route::Prefix(b"/api/"[..].into());
+        assert!(on(&slash, "/api/x"));
+        assert!(!on(&slash, "/api"));
+        assert!(on(&Route::Exact(b"/a"[..].into()), "/a?x=1"));
+        assert!(!on(&Route::Exact(b"/a"[..].into()), "/a/"));
+    }
+
+    #[cfg(feature = "axum")]
+    #[test]
+    fn axum_07_templates_are_told_apart() {
+        let new = |t: &str| old_route_syntax(t);
+        assert_eq!(new("/users/:id").as_deref(), Some("/users/{id}"));
+        assert_eq!(new("/a/:x/b/*rest").as_deref(), Some("/a/{x}/b/{*rest}"));
+        for fine in [
+            "/users/{id}",
+            "/files/{*rest}",
+            "/a:b",
+            "/a/b:c",
+            "/",
+            "/:",
+            "/*",
+        ] {
+            assert_eq!(new(fine), None, "{fine}");
+        }
     }
 }

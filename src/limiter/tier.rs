@@ -179,12 +179,12 @@ impl Future for CatchPanic {
 /// A request whose key's tier is remembered is decided at once, as a rule without tiers. One
 /// whose key's tier is not asks the resolver, or, while another request's lookup of the same
 /// key is under way, waits for that lookup and takes its tier (one lookup per key at a time,
-/// in the rate limit and the concurrency layers alike). The wait is bounded by the
-/// [timeout](Tiers::timeout) of the lookup it waits for; should the request doing the lookup
-/// go away first (its client gave up), a waiting one asks in its place, with a timeout of its
-/// own. A waiter has no deadline of its own beyond these: requests for a key that keep
-/// starting its lookup and going away before it ends keep that key's waiters waiting, each
-/// lookup within its timeout.
+/// in the rate limit and the concurrency layers alike). Every request waits at most the
+/// [timeout](Tiers::timeout) from its own start, whatever becomes of the lookup it waits
+/// for: past it, it is counted in the default tier (a request that started the lookup and is
+/// no longer polled, or requests that keep starting it and going away, hold no one longer).
+/// Should the request doing the lookup go away first (its client gave up), a waiting one asks
+/// in its place, within what is left of its own time.
 ///
 /// ```
 /// use std::time::Duration;
@@ -264,9 +264,10 @@ impl Tiers {
         self
     }
 
-    /// The longest a request waits for the resolver (1 s by default): past it, the request is
-    /// counted in the default tier, with the requests that waited for the same lookup, and the
-    /// key's next request asks again, as when the resolver fails. The wait runs on tokio's timer (tokio's paused time in tests), so a resolution
+    /// The longest a request waits for the resolver (1 s by default), from its own start,
+    /// whether it asks or waits for another request's lookup of its key: past it, the request
+    /// is counted in the default tier, and the key's next request asks again, as when the
+    /// resolver fails. The wait runs on tokio's timer (tokio's paused time in tests), so a resolution
     /// must be polled inside a tokio runtime with its timer enabled (`#[tokio::main]` enables
     /// it; in a runtime built without `enable_time`, tokio panics at the first resolution);
     /// outside any tokio runtime there is no timeout. `Duration::MAX` waits as long as the
@@ -348,6 +349,7 @@ pub(crate) struct TierLookup {
     /// Fallbacks: at most one WARN a second (on `clock`), the others at DEBUG.
     #[cfg(feature = "tracing")]
     warned: crate::telemetry::WarnEvery,
+
     /// `tollgate_tier_cache_total`, by result.
     hits: Counter,
     misses: Counter,
@@ -374,20 +376,27 @@ impl TierLookup {
         tier
     }
 
-    /// Asks the resolver: its answer, or how it failed to give one within the timeout.
-    pub(crate) fn resolve(&self, key: &str) -> Guarded {
-        let timeout = self.timeout;
+    /// When a request that starts waiting for a tier now stops waiting: the timeout from now,
+    /// on tokio's timer; `None` outside a tokio runtime (whose timer would panic) or with no
+    /// bound at all (a runtime without its timer can still resolve tiers then).
+    fn deadline(&self) -> Option<tokio::time::Instant> {
+        if self.timeout == Duration::MAX || tokio::runtime::Handle::try_current().is_err() {
+            return None;
+        }
+        tokio::time::Instant::now().checked_add(self.timeout)
+    }
+
+    /// Asks the resolver: its answer, or how it failed to give one by `deadline`.
+    fn resolve_by(&self, key: &str, deadline: Option<tokio::time::Instant>) -> Guarded {
         let answer = match catch_unwind(AssertUnwindSafe(|| self.resolver.resolve(key))) {
             Ok(answer) => CatchPanic(answer),
             Err(_) => return Box::pin(std::future::ready(Resolution::Panicked)),
         };
-        // Outside a tokio runtime, tokio's timer would panic: no timeout there; nor with no
-        // bound at all (a runtime without its timer can still resolve tiers then).
-        if timeout == Duration::MAX || tokio::runtime::Handle::try_current().is_err() {
+        let Some(deadline) = deadline else {
             return Box::pin(answer);
-        }
+        };
         Box::pin(async move {
-            tokio::time::timeout(timeout, answer)
+            tokio::time::timeout_at(deadline, answer)
                 .await
                 .unwrap_or(Resolution::TimedOut)
         })
@@ -401,12 +410,28 @@ impl TierLookup {
         Box::pin(async move { lookup.tier_of(&key, &raw).await })
     }
 
+    /// Looks `key`'s tier up on a task of its own, unless a lookup of it is under way (for a
+    /// shadow rule, which never holds a request up): its answer is remembered for the key's
+    /// next requests. Needs a tokio runtime; outside one, nothing is looked up.
+    pub(crate) fn look_up_in_background(self: &Arc<Self>, key: &str, raw: Box<str>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.flights.lock().contains_key(key) {
+            return;
+        }
+        drop(runtime.spawn(self.tier_of_owned(key.into(), raw)));
+    }
+
     /// The tier of `key` (the extractor's key `raw` is what the resolver is asked), with one
     /// lookup per key at a time (single flight): requests for a key being looked up wait for
-    /// that lookup, bounded as it is by the [timeout](Tiers::timeout), and get its tier (its
-    /// fallback, the default tier, if it failed). Should the request that looks up go away
-    /// first, the next one waiting looks up in its place.
+    /// that lookup and get its tier (its fallback, the default tier, if it failed). Should the
+    /// request that looks up go away first, the next one waiting looks up in its place. Every
+    /// request waits at most the [timeout](Tiers::timeout) from its own start, whatever
+    /// becomes of the lookup it waits for (a request that started it and is no longer polled
+    /// holds no one past it): past it, the default tier, remembered for nobody.
     pub(crate) async fn tier_of(&self, key: &str, raw: &str) -> u16 {
+        let deadline = self.deadline();
         loop {
             let flight = {
                 let mut flights = self.flights.lock();
@@ -431,7 +456,7 @@ impl TierLookup {
                         flights: &self.flights,
                         key,
                     };
-                    let resolution = self.resolve(raw).await;
+                    let resolution = self.resolve_by(raw, deadline).await;
                     let tier = self.settle(key, &resolution);
                     sender.send_replace(Some(tier));
                     return tier;
@@ -440,7 +465,17 @@ impl TierLookup {
                     if let Some(tier) = *follow.borrow_and_update() {
                         return tier;
                     }
-                    if follow.changed().await.is_err() {
+                    let changed = match deadline {
+                        None => follow.changed().await,
+                        Some(deadline) => {
+                            match tokio::time::timeout_at(deadline, follow.changed()).await {
+                                Ok(changed) => changed,
+                                // Its own time is up: the lookup goes on for the others.
+                                Err(_) => return self.settle(key, &Resolution::TimedOut),
+                            }
+                        }
+                    };
+                    if changed.is_err() {
                         // The lookup went away unfinished, unless it finished as it went.
                         if let Some(tier) = *follow.borrow() {
                             return tier;
@@ -646,6 +681,32 @@ mod tests {
         assert_eq!(second.await, 1);
         assert_eq!(calls.load(Ordering::SeqCst), 2);
         assert!(lookup.flights.lock().is_empty());
+    }
+
+    /// A lookup whose request keeps its future without polling it holds no one: a request
+    /// waiting for it gets the default tier at its own timeout (before the fix it waited for
+    /// as long as the first future lived: still waiting after 600 s).
+    #[tokio::test(start_paused = true)]
+    async fn a_lookup_no_longer_polled_holds_no_waiter_past_the_timeout() {
+        let lookup = Tiers::new(|_: String| async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Some("pro".to_owned())
+        })
+        .tier("free", [])
+        .tier("pro", [])
+        .into_resolved("r", 0);
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut first = Box::pin(lookup.tier_of("k", "k"));
+        assert!(first.as_mut().poll(&mut cx).is_pending());
+        // Polled once, then kept and left.
+        let start = tokio::time::Instant::now();
+        let waiter = tokio::time::timeout(Duration::from_secs(600), lookup.tier_of("k", "k"));
+        assert_eq!(waiter.await, Ok(0), "the default tier at its own timeout");
+        assert_eq!(start.elapsed(), DEFAULT_TIER_TIMEOUT);
+        // Remembered for nobody; the first lookup, polled again, still lands.
+        assert_eq!(lookup.cached("k"), None);
+        assert_eq!(first.await, 1);
+        assert_eq!(lookup.cached("k"), Some(1));
     }
 
     #[test]

@@ -117,10 +117,10 @@ impl<'a> Builder<'a> {
             &format!("{path}.policies"),
             &mut self.problems,
         );
-        let tiers = spec
-            .tiers
-            .as_ref()
-            .map(|t| self.tiers(t, &format!("{path}.tiers"), spec.cost.unwrap_or(1)));
+        let tiers = spec.tiers.as_ref().map(|t| {
+            let key = spec.key.as_deref();
+            self.tiers(t, &format!("{path}.tiers"), spec.cost.unwrap_or(1), key)
+        });
         match (&spec.tiers, spec.policies.is_empty()) {
             (None, true) => self.problems.add(
                 format!("{path}.policies"),
@@ -132,6 +132,7 @@ impl<'a> Builder<'a> {
             _ => {}
         }
         let cost = spec.cost.unwrap_or(1);
+        duplicates(&policies, &format!("{path}.policies"), &mut self.problems);
         for (j, p) in policies.iter().enumerate() {
             if let Some(p) = p {
                 self.redis_runs(p, &format!("{path}.policies[{j}]"));
@@ -139,8 +140,8 @@ impl<'a> Builder<'a> {
                     self.problems.add(
                         format!("{path}.cost"),
                         format!(
-                            "{cost} is more than the limit of policies[{j}] ({}), which counts \
-                             such a request as its whole limit",
+                            "{cost} is more than the limit of policies[{j}] ({}), which would \
+                             refuse every request",
                             p.limit()
                         ),
                     );
@@ -174,7 +175,13 @@ impl<'a> Builder<'a> {
         let _ = (policy, path);
     }
 
-    fn tiers(&mut self, spec: &TiersConfig, path: &str, cost: u64) -> Option<Tiers> {
+    fn tiers(
+        &mut self,
+        spec: &TiersConfig,
+        path: &str,
+        cost: u64,
+        key: Option<&str>,
+    ) -> Option<Tiers> {
         let resolver = match (&spec.resolver, self.bindings) {
             (Some(name), Some(bindings)) => match bindings.resolvers.get(name) {
                 Some(resolver) => Some(Arc::clone(resolver)),
@@ -221,10 +228,21 @@ impl<'a> Builder<'a> {
                 );
             }
         }
-        let mut tiers = Tiers::new(ListedThenResolved {
-            listed: spec.keys.clone(),
-            resolver,
-        });
+        // Each listed key as the rule's extractor writes it (the resolver's text), so that a
+        // key listed as requests carry it (`k%1`, an `any_of` fallback's address) matches.
+        let mut listed = std::collections::BTreeMap::new();
+        for (i, (written, tier)) in spec.keys.iter().enumerate() {
+            match listed_key_text(&self.config.keys, key, written, 0) {
+                Ok(text) => {
+                    listed.insert(text, tier.clone());
+                }
+                Err(why) => self.problems.add(
+                    format!("{path}.keys"),
+                    format!("entry {} (in key order): {why}", i + 1),
+                ),
+            }
+        }
+        let mut tiers = Tiers::new(ListedThenResolved { listed, resolver });
         let mut seen = BTreeSet::new();
         for (i, plan) in spec.plans.iter().enumerate() {
             let plan_path = format!("{path}.plans[{i}]");
@@ -250,6 +268,11 @@ impl<'a> Builder<'a> {
                 &format!("{plan_path}.policies"),
                 &mut self.problems,
             );
+            duplicates(
+                &policies,
+                &format!("{plan_path}.policies"),
+                &mut self.problems,
+            );
             for (j, p) in policies.iter().enumerate() {
                 if let Some(p) = p {
                     self.redis_runs(p, &format!("{plan_path}.policies[{j}]"));
@@ -258,7 +281,7 @@ impl<'a> Builder<'a> {
                             format!("{plan_path}.policies[{j}]"),
                             format!(
                                 "its limit ({}) is below the rule's cost ({cost}), which would \
-                                 count such a request as its whole limit",
+                                 refuse every request of the tier",
                                 p.limit()
                             ),
                         );
@@ -288,7 +311,16 @@ impl<'a> Builder<'a> {
 }
 
 #[cfg(feature = "axum")]
-pub(super) fn route(rule: Rule, template: &str, _: &str, _: &mut Problems) -> Rule {
+pub(super) fn route(rule: Rule, template: &str, path: &str, p: &mut Problems) -> Rule {
+    if let Some(suggested) = crate::limiter::old_route_syntax(template) {
+        p.add(
+            format!("{path}.route"),
+            format!(
+                "{template:?} is axum 0.7's syntax, which axum 0.8 never matches: write \
+                 {suggested:?}"
+            ),
+        );
+    }
     rule.route(template)
 }
 
@@ -299,6 +331,87 @@ pub(super) fn route(rule: Rule, _: &str, path: &str, p: &mut Problems) -> Rule {
         "route templates need tollgate's feature `axum`; use path or path_prefix",
     );
     rule
+}
+
+/// The text the extractor of the key named `key` (`None`: global) writes for the request a
+/// tier's listed key describes, as the request carries it: the value (`k%1`); for `all_of`,
+/// the values joined by `/` (the last takes the rest); for `any_of`, the first key's value, or
+/// another's as `name=value`. `Err` says why the listed key cannot be one of the key's.
+fn listed_key_text(
+    keys: &std::collections::BTreeMap<String, KeyConfig>,
+    key: Option<&str>,
+    written: &str,
+    depth: usize,
+) -> Result<String, String> {
+    use crate::key::Key;
+    let value = |v: &str| Key::from(v).as_str().to_owned();
+    let Some(spec) = key.and_then(|name| keys.get(name)) else {
+        return Ok(value(written));
+    };
+    if depth > 16 {
+        return Err("keys nested too deep".into());
+    }
+    match spec.kind {
+        KeyKind::AllOf => {
+            let n = spec.of.len();
+            let parts: Vec<&str> = written.splitn(n, '/').collect();
+            if parts.len() != n {
+                return Err(format!(
+                    "an all_of key of {n} parts is written as {n} values joined by /"
+                ));
+            }
+            // And(a, And(b, c)): each part but the last with its `%` and `/` escaped.
+            let mut text = listed_key_text(keys, Some(&spec.of[n - 1]), parts[n - 1], depth + 1)?;
+            for i in (0..n - 1).rev() {
+                let first = listed_key_text(keys, Some(&spec.of[i]), parts[i], depth + 1)?;
+                let first = if first.contains(['/', '%']) {
+                    first.replace('%', "%25").replace('/', "%2F")
+                } else {
+                    first
+                };
+                text = format!("{first}/{text}");
+            }
+            Ok(text)
+        }
+        KeyKind::AnyOf => {
+            let n = spec.of.len();
+            let (branch, rest) = match written.split_once('=') {
+                Some((name, rest)) if spec.of.iter().any(|k| k == name) => {
+                    (spec.of.iter().position(|k| k == name).unwrap_or(0), rest)
+                }
+                _ => (0, written),
+            };
+            // Or(a, Or(b, c)): the i-th key's text behind i second-branch tags; a first
+            // branch's text that starts as a tag gets the first branch's.
+            let mut text = listed_key_text(keys, Some(&spec.of[branch]), rest, depth + 1)?;
+            if branch + 1 < n && text.starts_with("%|") {
+                text = format!("%|0|{text}");
+            }
+            let tags = if branch + 1 < n { branch } else { n - 1 };
+            Ok(format!("{}{text}", "%|1|".repeat(tags)))
+        }
+        _ => Ok(value(written)),
+    }
+}
+
+/// A problem at each policy of a list that repeats an earlier one (the same algorithm,
+/// numbers and name): one state in the store, which every request would count twice against.
+fn duplicates(policies: &[Option<Policy>], path: &str, p: &mut Problems) {
+    for (j, policy) in policies.iter().enumerate() {
+        let Some(policy) = policy else { continue };
+        let first = policies[..j]
+            .iter()
+            .position(|other| other.as_ref().is_some_and(|o| o.id() == policy.id()));
+        if let Some(i) = first {
+            p.add(
+                format!("{path}[{j}]"),
+                format!(
+                    "the same policy as {path}[{i}]: every request would count twice against \
+                     it; list it once, or give the two names of their own"
+                ),
+            );
+        }
+    }
 }
 
 /// The policies of a list, each `None` after a problem.
